@@ -1,0 +1,469 @@
+"""The engine: one loop that owns the model, run on its own thread, and its asyncio front (AsyncEngine).
+
+Life of a request inside: `AsyncEngine.generate` posts `EngineRequest`s to the engine thread's inbox; the loop
+admits them into the scheduler; each `step()` schedules a batch, runs the model, samples, updates each sequence
+(detokenize, stop rules, grammar) and emits `EngineOutput` deltas back to the event loop with
+`call_soon_threadsafe`. Aborts and cancels travel through the same inbox and are applied before the next step,
+so a cancelled request's pages are free before the model runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lmrpc.server.config import EngineConfig
+from lmrpc.server.engine.detokenizer import OutputProcessor, decode_token
+from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher
+from lmrpc.server.engine.kv_cache import KVCacheManager
+from lmrpc.server.engine.runner import ForwardOutput, ModelRunner, PromptLogits
+from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
+from lmrpc.server.engine.scheduler import Scheduler
+from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
+from lmrpc.server.logit_processors import LogitProcessor, ProcessorRegistry
+from lmrpc.server.models.loader import LoadedModel, load_model
+from lmrpc.server.protocol import (
+    Constraint,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    Finish,
+    FinishReason,
+    ModelInfo,
+    PositionLogprobs,
+    TokenLogprob,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[EngineOutput], None]  # thread-safe: delivers one output to the request's consumer
+
+
+@dataclass(eq=False)
+class LiveRequest:
+    """Everything the loop keeps for one sequence besides the scheduler's bookkeeping."""
+
+    seq: Sequence  # scheduler-visible state (tokens, pages)
+    sink: Sink  # where this request's outputs go
+    sampling: SamplingState  # penalties' counts, seed
+    output: OutputProcessor  # incremental text + stop rules
+    grammar: GrammarMatcher | None  # structured-output state, if constrained
+    processor: LogitProcessor | None  # custom logit processor bound to its params, if any
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # gathered across prefill chunks
+    prompt_logprobs_sent: bool = False  # sent with the first output (never again, e.g. after preemption)
+    pending_tokens: list[int] = field(default_factory=list)  # sampled since the last emit
+    pending_logprobs: list[PositionLogprobs] = field(default_factory=list)  # their logprobs
+    pending_text: list[str] = field(default_factory=list)  # their text pieces
+
+    @property
+    def request(self) -> EngineRequest:
+        return self.seq.request
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: EngineRequest  # what to run
+    sink: Sink  # where its outputs go
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str  # whose request
+    reason: str  # message carried by the ABORT finish
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+class Engine:
+    """The single-threaded loop over one model. Not thread-safe: only `submit` may be called from other threads."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        processors: ProcessorRegistry,
+        grammar: GrammarBackend,
+    ) -> None:
+        self.info: ModelInfo = loaded.info
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(loaded, config.cache, config.scheduler)
+        kv = KVCacheManager(self.runner.num_pages, self.runner.page_size, config.cache.enable_prefix_cache)
+        self.scheduler = Scheduler(config.scheduler, kv)
+        self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.runner.device)
+        self.processors = processors
+        self.grammar = grammar
+        self._eos = frozenset(self.info.eos_token_ids)
+        self._live: dict[str, LiveRequest] = {}
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._bitmask: torch.Tensor | None = None  # [max_batch, words] reused across steps
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.scheduler.kv
+
+    # ---- commands (any thread) -------------------------------------------------------------------------------
+
+    def submit(self, command: _Command) -> None:
+        self._inbox.put(command)
+
+    # ---- the loop (engine thread) ----------------------------------------------------------------------------
+
+    def run_forever(self) -> None:
+        while True:
+            if not self._drain_inbox(block=not self.scheduler.has_work):
+                return
+            if self.scheduler.has_work:
+                self._guarded_step()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued commands; block for the first one when idle. False once told to stop."""
+        command: _Command | None = self._inbox.get() if block else None
+        while True:
+            if command is None:
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    return True
+            if isinstance(command, _Stop):
+                self._abort_all("server shutting down")
+                return False
+            if isinstance(command, _Add):
+                self.add(command.request, command.sink)
+            else:
+                self.abort(command.request_id, command.reason)
+            command = None
+
+    def _guarded_step(self) -> None:
+        # An unexpected failure inside a step must not kill the thread that serves every request: fail the
+        # requests in flight (they see ERROR with the message), log it with the stack, and keep serving.
+        try:
+            self.step()
+        except Exception as exc:  # noqa: BLE001 - logged with stack and reported to every affected request
+            logger.exception("engine step failed; failing %d live requests", len(self._live))
+            for live in list(self._live.values()):
+                self._finish(live, Finish(FinishReason.ERROR, message=f"engine step failed: {exc!r}"))
+
+    def step(self) -> None:
+        """One iteration: schedule, forward, sample, update, emit."""
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return
+        forward = self.runner.forward(batch)
+        self.scheduler.on_computed(batch)
+        self._record_prompt_logprobs(forward.prompt_logits)
+        sampling = self._sampling_lives(batch)
+        results = self._sample(sampling, forward)
+        for live, result in zip(sampling, results, strict=True):
+            self._update(live, result)
+        self._emit(live for live in sampling)
+
+    # ---- admission and abort ---------------------------------------------------------------------------------
+
+    def add(self, request: EngineRequest, sink: Sink) -> None:
+        assert request.request_id not in self._live, f"duplicate request id {request.request_id}"
+        params = request.params
+        seq = Sequence(request)
+        needed = len(request.prompt_ids) + params.max_new_tokens
+        if not self.scheduler.can_ever_fit(needed):
+            sink(_final(request, Finish(FinishReason.ERROR, message=(
+                f"request needs {needed} tokens of KV cache but the pool holds {self.kv.num_pages * self.kv.page_size}"
+            )), seq))
+            return
+        live = LiveRequest(
+            seq=seq,
+            sink=sink,
+            sampling=SamplingState(params, request.logprobs, self.info.vocab_size, self.runner.device),
+            output=OutputProcessor(self.tokenizer, request.prompt_ids, params, self.info.eos_token_ids),
+            grammar=self._new_matcher(params.constraint),
+            processor=(
+                self.processors.create(params.logit_processor, dict(params.processor_params))
+                if params.logit_processor else None
+            ),
+        )
+        wants_prompt_logprobs = request.logprobs is not None and request.logprobs.start_len >= 0
+        if params.max_new_tokens == 0 and not wants_prompt_logprobs:
+            # Nothing to compute: empty output, finish LENGTH, never touches the model.
+            sink(_final(request, Finish(FinishReason.LENGTH), seq))
+            return
+        if request.share_prefill_with is not None:
+            sibling = self._live.get(request.share_prefill_with)
+            seq.wait_for = sibling.seq if sibling is not None else None
+        self._live[request.request_id] = live
+        self.scheduler.add(seq)
+
+    def _new_matcher(self, constraint: Constraint | None) -> GrammarMatcher | None:
+        # Constraints were compiled once at admission by the service (cached), so this cannot fail on user input.
+        return None if constraint is None else self.grammar.new_matcher(constraint)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            self._finish(live, Finish(FinishReason.ABORT, message=reason))
+
+    def _abort_all(self, reason: str) -> None:
+        for request_id in list(self._live):
+            self.abort(request_id, reason)
+
+    # ---- step parts ------------------------------------------------------------------------------------------
+
+    def _record_prompt_logprobs(self, chunks: Iterable[PromptLogits]) -> None:
+        for chunk in chunks:
+            live = self._live.get(chunk.seq.request_id)
+            if live is None or live.prompt_logprobs_sent or live.request.logprobs is None:
+                continue
+            options = live.request.logprobs
+            if not live.prompt_logprobs and options.start_len == 0:
+                # Position 0 has no logprob: nothing predicts the first prompt token.
+                first = live.seq.token_ids[0]
+                live.prompt_logprobs.append(PositionLogprobs(TokenLogprob(first, None, self._text(live, first))))
+            start = chunk.first_position + 1
+            targets = live.seq.token_ids[start : start + chunk.logits.shape[0]]
+            entries = prompt_logprobs(chunk.logits, targets, options)
+            live.prompt_logprobs.extend(self._with_text(live, entry) for entry in entries)
+
+    def _sampling_lives(self, batch: ScheduledBatch) -> list[LiveRequest]:
+        """The live requests whose chunk produced next-token logits, in ForwardOutput.logits row order."""
+        return [self._live[c.seq.request_id] for c in batch.chunks if c.samples]
+
+    def _sample(self, lives: list[LiveRequest], forward: ForwardOutput) -> list[SampleResultRow | None]:
+        """Sample the next token of every row that generates; rows with max_new_tokens == 0 (prompt scoring) get None."""
+        keep = [i for i, live in enumerate(lives) if live.request.params.max_new_tokens > 0]
+        results: list[SampleResultRow | None] = [None] * len(lives)
+        if not keep:
+            return results
+        logits = forward.logits if len(keep) == len(lives) else forward.logits[keep]  # [rows, vocab]
+        masks = self._grammar_bitmasks([lives[i] for i in keep])
+        rows = [
+            SamplingRow(
+                state=lives[i].sampling,
+                num_output_tokens=lives[i].seq.num_output_tokens,
+                grammar_bitmask=None if masks is None or lives[i].grammar is None else masks[j],
+                processor=lives[i].processor,
+            )
+            for j, i in enumerate(keep)
+        ]
+        for i, row in zip(keep, self.sampler.sample(logits, rows), strict=True):
+            results[i] = row
+        return results
+
+    def _grammar_bitmasks(self, lives: list[LiveRequest]) -> torch.Tensor | None:
+        """Fill the allowed-token bitmask of every constrained row in one batched call; None if none is."""
+        matchers = [live.grammar for live in lives]
+        if all(m is None for m in matchers):
+            return None
+        import torch
+
+        words = (self.runner.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(lives):
+            self._bitmask = torch.full((max(len(lives), 64), words), -1, dtype=torch.int32)
+        out = self._bitmask[: len(lives)]  # [rows, words]; unconstrained rows stay all-allowed (-1)
+        out.fill_(-1)
+        constrained = [i for i, m in enumerate(matchers) if m is not None]
+        sub = out[constrained]
+        self.grammar.fill_bitmasks([m for m in matchers if m is not None], sub)
+        out[constrained] = sub
+        return out.to(self.runner.device)
+
+    def _update(self, live: LiveRequest, result: SampleResultRow | None) -> None:
+        """Append the sampled token, advance grammar and text, and decide whether the sequence ends."""
+        if result is None:  # prompt scoring only (max_new_tokens == 0)
+            self._finish(live, Finish(FinishReason.LENGTH))
+            return
+        token = result.token_id
+        live.seq.append_token(token)
+        live.pending_tokens.append(token)
+        if result.logprobs is not None:
+            live.pending_logprobs.append(self._with_text(live, result.logprobs))
+        grammar_done = False
+        if live.grammar is not None:
+            live.grammar.advance(token)
+            if live.grammar.error is not None:
+                self._finish(live, Finish(FinishReason.ERROR, message=f"grammar: {live.grammar.error}"))
+                return
+            grammar_done = live.grammar.is_finished
+        step = live.output.process(token, grammar_finished=grammar_done)
+        if step.text:
+            live.pending_text.append(step.text)
+        if step.finish is not None:
+            self._finish(live, step.finish)
+
+    def _emit(self, lives: Iterable[LiveRequest]) -> None:
+        for live in lives:
+            if live.seq.finished or not (live.pending_tokens or live.pending_text):
+                continue
+            live.sink(self._take_output(live, finish=None))
+
+    def _finish(self, live: LiveRequest, finish: Finish) -> None:
+        """End a sequence: release its pages now, and send its last output."""
+        self.scheduler.finish(live.seq)
+        live.seq.finish = finish
+        del self._live[live.request.request_id]
+        live.sink(self._take_output(live, finish))
+
+    def _take_output(self, live: LiveRequest, finish: Finish | None) -> EngineOutput:
+        seq = live.seq
+        input_logprobs: tuple[PositionLogprobs, ...] = ()
+        if not live.prompt_logprobs_sent and (live.prompt_logprobs or finish is not None or live.pending_tokens):
+            input_logprobs = tuple(live.prompt_logprobs)
+            live.prompt_logprobs_sent = True
+            live.prompt_logprobs = []
+        out = EngineOutput(
+            request_id=seq.request_id,
+            token_ids=tuple(live.pending_tokens),
+            text="".join(live.pending_text),
+            output_logprobs=tuple(live.pending_logprobs),
+            input_logprobs=input_logprobs,
+            finish=finish,
+            usage=_usage(seq) if finish is not None else None,
+        )
+        live.pending_tokens, live.pending_text, live.pending_logprobs = [], [], []
+        return out
+
+    def _text(self, live: LiveRequest, token_id: int) -> str | None:
+        options = live.request.logprobs
+        return decode_token(self.tokenizer, token_id) if options is not None and options.with_text else None
+
+    def _with_text(self, live: LiveRequest, entry: PositionLogprobs) -> PositionLogprobs:
+        options = live.request.logprobs
+        if options is None or not options.with_text:
+            return entry
+
+        def named(t: TokenLogprob) -> TokenLogprob:
+            return TokenLogprob(t.token_id, t.logprob, decode_token(self.tokenizer, t.token_id))
+
+        return PositionLogprobs(
+            named(entry.chosen), tuple(named(t) for t in entry.top), tuple(named(t) for t in entry.requested)
+        )
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_pages=kv.num_pages,
+            num_free_pages=kv.num_free_pages,
+            num_used_pages=kv.num_used_pages,
+            num_cached_pages=kv.num_cached_pages,
+        )
+
+
+def _usage(seq: Sequence) -> Usage:
+    return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+
+
+def _final(request: EngineRequest, finish: Finish, seq: Sequence) -> EngineOutput:
+    return EngineOutput(request.request_id, finish=finish, usage=_usage(seq))
+
+
+class AsyncEngine:
+    """The asyncio face of the engine: implements protocol.EngineClient; the loop runs on a daemon thread."""
+
+    def __init__(self, engine: Engine, processors: ProcessorRegistry, grammar: GrammarBackend) -> None:
+        self._engine = engine
+        self.model_info: ModelInfo = engine.info
+        self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
+        self.processors = processors
+        self.grammar = grammar
+        self._ids_by_rid: dict[str, set[str]] = {}  # event-loop side: live request ids per user rid
+        self._serial = itertools.count()
+        self._thread = threading.Thread(target=engine.run_forever, name="lmrpc-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model and start the engine thread (blocking: call it off the event loop)."""
+        loaded = load_model(config.model)
+        processors = ProcessorRegistry.load()
+        grammar = GrammarBackend(loaded.tokenizer, loaded.info.vocab_size)
+        return cls(Engine(loaded, config, processors, grammar), processors, grammar)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine itself (tests read its page pool)."""
+        return self._engine
+
+    def check_constraint(self, constraint: Constraint) -> str | None:
+        """None if the constraint compiles, else the error message (kind and compiler's message)."""
+        return self.grammar.check(constraint)
+
+    def warmup(self) -> None:
+        """Run one tiny generation so the first real request doesn't pay one-time costs (blocking)."""
+        from lmrpc.server.protocol import SamplingParams
+
+        done = threading.Event()
+        request = EngineRequest(
+            request_id=f"warmup-{next(self._serial)}", rid="warmup", index=0,
+            prompt_ids=tuple(self.tokenizer.encode("Hello")) or (0,),
+            params=SamplingParams(max_new_tokens=2, temperature=0.0),
+        )
+
+        def sink(output: EngineOutput) -> None:
+            if output.finish is not None:
+                done.set()
+
+        self._engine.submit(_Add(request, sink))
+        if not done.wait(timeout=300):
+            raise TimeoutError("engine warm-up did not finish in 300 s")
+
+    async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[EngineOutput]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[EngineOutput] = asyncio.Queue()
+
+        def sink(output: EngineOutput) -> None:  # engine thread
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+        remaining = {r.request_id for r in requests}
+        for r in requests:
+            self._ids_by_rid.setdefault(r.rid, set()).add(r.request_id)
+        try:
+            for r in requests:
+                self._engine.submit(_Add(r, sink))
+            while remaining:
+                output = await outputs.get()
+                if output.finish is not None:
+                    remaining.discard(output.request_id)
+                yield output
+        finally:
+            # Closed early (cancelled call, passed deadline, client gone): free the rest at once.
+            for request_id in remaining:
+                self._engine.submit(_Abort(request_id, "cancelled"))
+            for r in requests:
+                ids = self._ids_by_rid.get(r.rid)
+                if ids is not None:
+                    ids.discard(r.request_id)
+                    if not ids:
+                        del self._ids_by_rid[r.rid]
+
+    def abort(self, rids: list[str] | None) -> list[str]:
+        targets = list(self._ids_by_rid) if rids is None else [rid for rid in rids if rid in self._ids_by_rid]
+        for rid in targets:
+            for request_id in self._ids_by_rid[rid]:
+                self._engine.submit(_Abort(request_id, "aborted by request"))
+        return targets
+
+    def is_live(self, rid: str) -> bool:
+        return rid in self._ids_by_rid
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    def shutdown(self) -> None:
+        self._engine.submit(_Stop())
+        self._thread.join(timeout=30)

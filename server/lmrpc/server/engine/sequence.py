@@ -1,0 +1,119 @@
+"""Per-request engine state shared by the scheduler, the KV-cache manager and the engine loop. No torch."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmrpc.server.protocol import EngineRequest, Finish
+
+_arrival = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = enum.auto()  # queued: no pages held (new, or preempted and to be recomputed)
+    RUNNING = enum.auto()  # holds pages; prefilling in chunks or decoding
+    FINISHED = enum.auto()  # done; pages released
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output being generated. Identity-compared (eq=False) so it can key dicts and sets."""
+
+    request: EngineRequest  # what was asked
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated tokens
+    arrival: int = field(default_factory=lambda: next(_arrival))  # FCFS order; kept across preemption
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache (cached or computed)
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at (first) admission
+    page_table: list[int] = field(default_factory=list)  # KV pages, in order; page i holds tokens [i*P, (i+1)*P)
+    wait_for: Sequence | None = None  # n > 1: don't admit before this sibling's prompt is in the prefix cache
+    finish: Finish | None = None  # set once finished
+    engine_state: dict[str, Any] = field(default_factory=dict)  # per-sequence state owned by the engine loop
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.request.prompt_ids)
+        assert self.token_ids, "a sequence needs at least one prompt token"
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before the next sample (1 while decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the newest token is missing from the cache (prompt, or recompute after preemption)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def max_cacheable_prompt_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache.
+
+        All but the last (its logits are needed); and for prompt logprobs from position k, the logits of
+        positions k-1.. must be computed, so only k-1 tokens may be reused.
+        """
+        limit = self.num_tokens - 1
+        lp = self.request.logprobs
+        if lp is not None and lp.start_len >= 0:
+            limit = min(limit, max(lp.start_len - 1, 0))
+        return limit
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one sequence computed in this step: positions [start, start + num_tokens)."""
+
+    seq: Sequence  # whose tokens
+    start: int  # == seq.num_computed_tokens when scheduled
+    num_tokens: int  # >= 1; the page table already covers start + num_tokens positions
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the newest token, so its last logits give the next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """What one engine step computes: decode chunks first, then prefill chunks, in FCFS order within each."""
+
+    chunks: tuple[ScheduledChunk, ...] = ()  # at most one chunk per sequence
+    preempted: tuple[Sequence, ...] = ()  # sequences that lost their pages this step (to be recomputed)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks

@@ -1,0 +1,194 @@
+"""Domain types shared by the service and the engine: no torch, no protobuf.
+
+The servicer turns a validated `GenerateRequest` into one `EngineRequest` per output (prompt x n); the engine
+answers with `EngineOutput` deltas. Everything here is immutable once built, so it can cross threads freely.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+GREEDY_TEMPERATURE = 1e-6  # below this, a row is decoded greedily (argmax)
+
+
+class FinishReason(enum.Enum):
+    """Why an output ended; mirrors lmrpc.v1.FinishReason (values match the proto numbers)."""
+
+    LENGTH = 1
+    EOS = 2
+    STOP_TOKEN = 3
+    STOP_STRING = 4
+    STOP_REGEX = 5
+    GRAMMAR_END = 6
+    ABORT = 7
+    ERROR = 8
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The end of one output."""
+
+    reason: FinishReason  # why it ended
+    matched_token_id: int | None = None  # EOS / stop token / grammar-end token that ended it
+    matched_text: str | None = None  # stop string, or stop_regex pattern, that ended it
+    message: str = ""  # human-readable detail (ERROR, ABORT)
+
+
+ConstraintKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint (compiled by the grammar module)."""
+
+    kind: ConstraintKind  # which grammar language `text` is written in
+    text: str  # the schema / pattern / grammar / structural tag, as sent
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Fully resolved sampling parameters of one output: defaults applied, already validated."""
+
+    max_new_tokens: int = 128  # cap on generated tokens (already capped to fit the context)
+    min_new_tokens: int = 0  # stop tokens are masked until this many tokens exist
+    temperature: float = 1.0  # < GREEDY_TEMPERATURE means greedy
+    top_p: float = 1.0  # nucleus threshold in (0, 1]
+    top_k: int = -1  # -1: all tokens
+    min_p: float = 0.0  # relative probability floor in [0, 1]
+    frequency_penalty: float = 0.0  # per occurrence in the output, [-2, 2]
+    presence_penalty: float = 0.0  # once if present in the output, [-2, 2]
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of output tokens
+    stop: tuple[str, ...] = ()  # stop strings
+    stop_token_ids: tuple[int, ...] = ()  # extra stop token ids (besides the model's EOS ids)
+    stop_regex: tuple[str, ...] = ()  # stop patterns matched against the decoded tail
+    ignore_eos: bool = False  # don't stop on EOS ids nor stop_token_ids
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True  # join special tokens with spaces in the text
+    no_stop_trim: bool = False  # keep the matched stop string / token text in the text
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added logit
+    seed: int | None = None  # per-request seed: reproducible whatever the batch
+    n: int = 1  # samples per prompt (the servicer fans out; informational here)
+    constraint: Constraint | None = None  # structured output, if any
+    logit_processor: str | None = None  # name of a registered custom logit processor
+    processor_params: Mapping[str, Any] = field(default_factory=dict)  # its custom_params
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    """What logprobs one output asks for (only built when return_logprob is set)."""
+
+    start_len: int = -1  # first prompt position with a prompt logprob; -1: no prompt logprobs
+    top_k: int = 0  # alternatives per position, best first
+    token_ids: tuple[int, ...] = ()  # ids whose logprobs are reported at every position, in this order
+    with_text: bool = False  # decode each entry's token on its own (special tokens kept)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One output to generate: a prompt and its parameters. A call with b prompts and n samples makes b * n."""
+
+    request_id: str  # unique among live requests: the rid, or "rid/i" for sample i of n > 1
+    rid: str  # the user-facing request id (Abort by rid ends all outputs sharing it)
+    index: int  # output index in the call, prompt-major (prompt * n + sample)
+    prompt_ids: tuple[int, ...]  # the tokenized prompt, special tokens included
+    params: SamplingParams  # resolved sampling parameters
+    logprobs: LogprobOptions | None = None  # None: no logprobs
+    share_prefill_with: str | None = None  # request_id of sample 0 whose prompt pages samples 1..n-1 reuse
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's logprob."""
+
+    token_id: int  # the token
+    logprob: float | None  # natural log; None where nothing predicts the position (first prompt token)
+    text: str | None = None  # the token decoded alone, when LogprobOptions.with_text
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """The logprobs at one position."""
+
+    chosen: TokenLogprob  # the token at (or sampled for) this position
+    top: tuple[TokenLogprob, ...] = ()  # best first
+    requested: tuple[TokenLogprob, ...] = ()  # LogprobOptions.token_ids, in order
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one output."""
+
+    prompt_tokens: int  # prompt length as tokenized
+    completion_tokens: int  # generated tokens, stop token included
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What is new for one output since its previous EngineOutput (deltas)."""
+
+    request_id: str  # EngineRequest.request_id
+    token_ids: tuple[int, ...] = ()  # new token ids
+    text: str = ""  # new text (held back while it may still become a stop string or half a character)
+    output_logprobs: tuple[PositionLogprobs, ...] = ()  # one per new token, when requested
+    input_logprobs: tuple[PositionLogprobs, ...] = ()  # prompt logprobs, in the first output only
+    finish: Finish | None = None  # set on the last output only
+    usage: Usage | None = None  # set on the last output only
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the service and clients need to know about the loaded model."""
+
+    path: str  # where the weights came from (directory or GGUF file)
+    served_model_name: str  # name reported to clients
+    architecture: str  # HF architectures[0], e.g. "LlamaForCausalLM"
+    vocab_size: int  # valid token ids are [0, vocab_size)
+    max_context_length: int  # prompt + output limit in tokens
+    eos_token_ids: tuple[int, ...]  # the model's end-of-sequence ids
+    generation_defaults: Mapping[str, float]  # temperature/top_p/top_k/min_p/repetition_penalty set by
+    #   generation_config.json (only the keys it sets)
+    dtype: str  # e.g. "bfloat16"
+    device: str  # e.g. "cpu"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for admission control, health and metrics."""
+
+    num_running: int  # sequences holding KV pages (prefilling or decoding)
+    num_waiting: int  # sequences queued for admission (incl. preempted)
+    num_pages: int  # total KV pages
+    num_free_pages: int  # pages not referenced by a live sequence (free or evictable prefix cache)
+    num_used_pages: int  # pages referenced by live sequences
+    num_cached_pages: int  # pages held only by the prefix cache
+
+
+class EngineClient(Protocol):
+    """What the servicer needs from the engine (implemented by engine.AsyncEngine)."""
+
+    def generate(self, requests: list[EngineRequest]) -> AsyncIterator[EngineOutput]:
+        """Submit requests; yield their outputs as they come, ending after every request finished.
+
+        Closing the iterator early (cancel, deadline) aborts the unfinished requests and frees their pages.
+        """
+        ...
+
+    def abort(self, rids: list[str] | None) -> list[str]:
+        """Abort the live requests of these user rids (None: all). Returns the rids found."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Current load."""
+        ...
