@@ -102,7 +102,8 @@ def main() -> None:
 
     print(f"\nmodel={model_config.path or 'SmolLM2-135M-Instruct (embedded)'} dtype={args.dtype} "
           f"prompt={args.prompt_len} new={args.new_tokens} threads={torch.get_num_threads()}")
-    print(f"{'batch':>5} | {'lmrpc decode':>12} {'HF decode':>10} {'ratio':>6} | {'lmrpc prefill':>13} {'HF prefill':>10}")
+    header = f"{'lmrpc decode':>12} {'HF decode':>10} {'ratio':>6} | {'lmrpc prefill':>13} {'HF prefill':>10}"
+    print(f"{'batch':>5} | {header}")
     for b in args.batches:
         o, h = ours[b], hf.get(b)
         ratio = f"{o.decode_tok_s / h.decode_tok_s:5.2f}x" if h else "   n/a"

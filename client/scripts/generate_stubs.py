@@ -48,7 +48,10 @@ def main() -> int:
             if p.is_file() and p.name != "__init__.py" and p.suffix in {".py", ".pyi"}
         )
         if args.check:
-            stale = [str(p) for p in fresh if not (OUT_DIR / p).exists() or not filecmp.cmp(Path(tmp) / p, OUT_DIR / p, shallow=False)]
+            stale = [
+                str(p) for p in fresh
+                if not (OUT_DIR / p).exists() or not filecmp.cmp(Path(tmp) / p, OUT_DIR / p, shallow=False)
+            ]
             stale += [str(p) for p in committed if p not in fresh]
             if stale:
                 print("stale generated stubs (run client/scripts/generate_stubs.py):", *stale, sep="\n  ")

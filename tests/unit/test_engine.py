@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+# The scheduler, KV cache and model runner land in their own commits; until they do, this module cannot import.
+pytest.importorskip("lmrpc.server.engine.scheduler", reason="engine scheduler not landed yet")
+pytest.importorskip("lmrpc.server.engine.runner", reason="model runner not landed yet")
+
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.engine import AsyncEngine
 from lmrpc.server.protocol import (

@@ -155,7 +155,7 @@ class Engine:
         # requests in flight (they see ERROR with the message), log it with the stack, and keep serving.
         try:
             self.step()
-        except Exception as exc:  # noqa: BLE001 - logged with stack and reported to every affected request
+        except Exception as exc:  # logged with its stack and reported to every affected request
             logger.exception("engine step failed; failing %d live requests", len(self._live))
             for live in list(self._live.values()):
                 self._finish(live, Finish(FinishReason.ERROR, message=f"engine step failed: {exc!r}"))
@@ -182,9 +182,9 @@ class Engine:
         seq = Sequence(request)
         needed = len(request.prompt_ids) + params.max_new_tokens
         if not self.scheduler.can_ever_fit(needed):
-            sink(_final(request, Finish(FinishReason.ERROR, message=(
-                f"request needs {needed} tokens of KV cache but the pool holds {self.kv.num_pages * self.kv.page_size}"
-            )), seq))
+            capacity = self.kv.num_pages * self.kv.page_size
+            message = f"request needs {needed} tokens of KV cache but the pool holds {capacity}"
+            sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
             return
         live = LiveRequest(
             seq=seq,
@@ -243,7 +243,7 @@ class Engine:
         return [self._live[c.seq.request_id] for c in batch.chunks if c.samples]
 
     def _sample(self, lives: list[LiveRequest], forward: ForwardOutput) -> list[SampleResultRow | None]:
-        """Sample the next token of every row that generates; rows with max_new_tokens == 0 (prompt scoring) get None."""
+        """Sample the next token of each generating row; prompt-scoring rows (max_new_tokens == 0) get None."""
         keep = [i for i, live in enumerate(lives) if live.request.params.max_new_tokens > 0]
         results: list[SampleResultRow | None] = [None] * len(lives)
         if not keep:

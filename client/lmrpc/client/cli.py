@@ -1,0 +1,295 @@
+"""The `lmrpc` command line: generate, info, tokenize, detokenize, health and abort against an lmrpc server.
+
+Exit codes: 0 success; 1 an RPC failed, an output finished with ERROR, or health is not SERVING; 2 bad usage;
+130 interrupted (the call is cancelled, which frees the server's work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from lmrpc.client.client import DEFAULT_TARGET, Client
+from lmrpc.client.errors import LmrpcError
+from lmrpc.client.results import FinishReason, GenerateDelta, GenerateResult, ServingStatus, merge
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command: Callable[[Client, argparse.Namespace], int] = args.command
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            return command(client, args)
+    except LmrpcError as e:
+        print(f"lmrpc: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except TimeoutError as e:
+        print(f"lmrpc: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except (TypeError, ValueError, OSError) as e:  # parameters the client refused to send, an unreadable @FILE
+        print(f"lmrpc: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout closed early (e.g. `| head`): stop quietly; leaving the stream cancels the call
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+
+
+# The numeric sampling flags of `lmrpc generate`: (flag, type, metavar, help); dest is the SamplingParams field.
+SAMPLING_FLAGS: tuple[tuple[str, type, str, str], ...] = (
+    ("--max-new-tokens", int, "N", "maximum tokens to generate (server default 128)"),
+    ("--temperature", float, "T", "sampling temperature; 0 is greedy (default: the model's, else 1)"),
+    ("--top-p", float, "P", "nucleus sampling probability mass, in (0, 1]"),
+    ("--top-k", int, "K", "keep only the k most likely tokens; -1 keeps all"),
+    ("--min-p", float, "P", "keep tokens at least P times as likely as the best, in [0, 1]"),
+    ("--repetition-penalty", float, "R", "penalty on already generated tokens, in [0, 2]; 1 is off"),
+    ("--frequency-penalty", float, "F", "subtracted from a token's logit per occurrence, in [-2, 2]"),
+    ("--presence-penalty", float, "P", "subtracted from a token's logit if it occurred, in [-2, 2]"),
+    ("--min-new-tokens", int, "N", "forbid stop tokens until N tokens were generated"),
+    ("--n", int, "N", "samples per prompt (default 1)"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", metavar="HOST:PORT", default=os.environ.get("LMRPC_TARGET", DEFAULT_TARGET),
+                        help="server address host:port (default: $LMRPC_TARGET or %(default)s)")
+    common.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="deadline of each call in seconds; a passed deadline aborts the request (default: none)")
+
+    parser = argparse.ArgumentParser(prog="lmrpc", description="Command-line client of the lmrpc generation server.")
+    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", parents=[common], help="generate text from one or more prompts",
+                         description="Generate text. The text goes to stdout; the finish reason and token usage "
+                                     "of each output go to stderr.")
+    gen.add_argument("prompt", nargs="+", help="prompt text; several prompts are sent as one batch")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    for flag, kind, metavar, help_text in SAMPLING_FLAGS:
+        gen.add_argument(flag, type=kind, metavar=metavar, help=help_text)
+    gen.add_argument("--seed", type=int, dest="sampling_seed", metavar="SEED",
+                     help="sampling seed for reproducible output")
+    gen.add_argument("--stop", action="append", metavar="TEXT",
+                     help="stop string (repeatable); escapes like \\n are interpreted")
+    gen.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids", metavar="ID",
+                     help="stop token id (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating after end-of-sequence")
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="SCHEMA",
+                            help="constrain the output to this JSON schema (JSON text, or @FILE)")
+    constraint.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    constraint.add_argument("--regex", help="constrain the output to match this regular expression")
+    constraint.add_argument("--ebnf", metavar="GRAMMAR", help="constrain the output to this EBNF grammar (or @FILE)")
+    gen.add_argument("--sampling-params", metavar="JSON",
+                     help='more sampling parameters as a JSON object, e.g. \'{"logit_bias": {"5": 2.0}}\' '
+                          "(flags win over it)")
+    gen.add_argument("--logprobs", action="store_true", help="return output logprobs (printed with --json)")
+    gen.add_argument("--top-logprobs", type=int, default=0, metavar="K",
+                     help="with --logprobs: K alternatives per token")
+    gen.add_argument("--logprob-start-len", type=int, metavar="POS", help="with --logprobs: prompt logprobs from POS")
+    gen.add_argument("--rid", action="append", help="request id (one per prompt; use it with `lmrpc abort`)")
+    gen.add_argument("--custom-logit-processor", metavar="NAME", help="name of a server-registered logit processor")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per output (per message with --stream) instead of text")
+    gen.set_defaults(command=cmd_generate)
+
+    info = sub.add_parser("info", parents=[common], help="describe the served model")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(command=cmd_info)
+
+    tok = sub.add_parser("tokenize", parents=[common], help="print the token ids of TEXT")
+    tok.add_argument("text", help="text to tokenize")
+    tok.add_argument("--no-special-tokens", action="store_true", help="do not add special tokens such as BOS")
+    tok.set_defaults(command=cmd_tokenize)
+
+    detok = sub.add_parser("detokenize", parents=[common], help="print the text of token IDS")
+    detok.add_argument("ids", nargs="+", type=int, metavar="ID", help="token ids")
+    detok.add_argument("--keep-special-tokens", action="store_true", help="keep special tokens in the text")
+    detok.set_defaults(command=cmd_detokenize)
+
+    health = sub.add_parser("health", parents=[common], help="check (or wait for) grpc.health.v1 SERVING",
+                            description="Print the serving status; exit 0 only if SERVING.")
+    health.add_argument("--wait", type=float, metavar="SECONDS",
+                        help="retry until SERVING for at most SECONDS (while the server starts or loads the model)")
+    health.add_argument("--service", default="", help='service name to check (default "": the whole server)')
+    health.set_defaults(command=cmd_health)
+
+    abort = sub.add_parser("abort", parents=[common], help="abort running or queued requests")
+    abort.add_argument("rid", nargs="*", help="request ids to abort")
+    abort.add_argument("--all", action="store_true", help="abort every request")
+    abort.set_defaults(command=cmd_abort)
+    return parser
+
+
+def unescape(text: str) -> str:
+    """Interpret backslash escapes (\\n, \\t, \\u00e9, ...) and keep every other character as it is."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
+def _file_or_text(value: str) -> str:
+    return Path(value[1:]).read_text() if value.startswith("@") else value
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling_params dict of `lmrpc generate`: --sampling-params JSON, then the flags given on top."""
+    params: dict[str, Any] = json.loads(args.sampling_params) if args.sampling_params else {}
+    if not isinstance(params, dict):
+        raise ValueError("--sampling-params must be a JSON object")
+    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty", "min_new_tokens", "sampling_seed", "stop_token_ids",
+                 "ignore_eos", "n", "regex"):
+        value = getattr(args, name)
+        if value is not None:
+            params[name] = value
+    if args.stop:
+        params["stop"] = [unescape(s) for s in args.stop]
+    if args.json_schema is not None:
+        params["json_schema"] = _file_or_text(args.json_schema)
+    if args.json_object:
+        params["json_schema"] = json.dumps({"type": "object"})
+    if args.ebnf is not None:
+        params["ebnf"] = _file_or_text(args.ebnf)
+    return params
+
+
+def cmd_generate(client: Client, args: argparse.Namespace) -> int:
+    params = sampling_params_from_args(args)
+    kwargs: dict[str, Any] = {
+        "sampling_params": params, "rid": args.rid, "return_logprob": args.logprobs,
+        "top_logprobs_num": args.top_logprobs, "logprob_start_len": args.logprob_start_len,
+        "custom_logit_processor": args.custom_logit_processor,
+    }
+    prompts: list[str] = args.prompt
+    text: str | list[str] = prompts[0] if len(prompts) == 1 else prompts
+    out = sys.stdout
+    if not args.stream:
+        results = client.generate(text, **kwargs)
+    elif args.json:
+        deltas = []
+        for delta in client.generate(text, stream=True, **kwargs):
+            _print_json(delta, out)
+            deltas.append(delta)
+        results = merge(deltas)
+    else:
+        single = len(prompts) * int(params.get("n") or 1) == 1
+        results = _stream_text(client.generate(text, stream=True, **kwargs), single=single, out=out)
+    if not args.stream:
+        for r in results:
+            if args.json:
+                _print_json(r, out)
+            else:
+                _print_text(r, single=len(results) == 1, out=out)
+    for r in results:
+        _print_summary(r, len(results), sys.stderr)
+    return EXIT_FAILED if any(r.finish.reason is FinishReason.ERROR for r in results) else EXIT_OK
+
+
+def _stream_text(deltas: Iterable[GenerateDelta], *, single: bool, out: TextIO) -> list[GenerateResult]:
+    """Print a single output as it streams; several outputs are printed each whole as it finishes (so that their
+    texts do not interleave)."""
+    results: dict[int, GenerateResult] = {}
+    for delta in deltas:
+        result = results.setdefault(delta.index, GenerateResult(index=delta.index, rid=delta.rid))
+        result.add(delta)
+        if single:
+            out.write(delta.text)
+            out.flush()
+        elif delta.finish is not None:
+            _print_text(result, single=False, out=out)
+    if single:
+        out.write("\n")
+        out.flush()
+    return [results[i] for i in sorted(results)]
+
+
+def _print_text(result: GenerateResult, *, single: bool, out: TextIO) -> None:
+    if not single:
+        out.write(f"--- output {result.index} (rid {result.rid}) ---\n")
+    out.write(result.text + "\n")
+    out.flush()
+
+
+def _print_summary(result: GenerateResult, count: int, err: TextIO) -> None:
+    finish = result.finish
+    line = f"[{result.index}] " if count > 1 else ""
+    line += f"finish: {finish.reason.name.lower()}"
+    if finish.matched is not None:
+        line += f" (matched {finish.matched!r})"
+    if finish.message:
+        line += f": {finish.message}"
+    if result.usage is not None:
+        u = result.usage
+        line += f"; usage: prompt {u.prompt_tokens}, completion {u.completion_tokens}, cached {u.cached_tokens}"
+    print(line, file=err)
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _print_json(value: Any, out: TextIO) -> None:
+    out.write(json.dumps(_jsonable(value), ensure_ascii=False) + "\n")
+    out.flush()
+
+
+def cmd_info(client: Client, args: argparse.Namespace) -> int:
+    info = client.model_info()
+    if args.json:
+        _print_json(info, sys.stdout)
+        return EXIT_OK
+    for f in dataclasses.fields(info):
+        value = getattr(info, f.name)
+        print(f"{f.name}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    return EXIT_OK
+
+
+def cmd_tokenize(client: Client, args: argparse.Namespace) -> int:
+    print(*client.tokenize(args.text, add_special_tokens=not args.no_special_tokens))
+    return EXIT_OK
+
+
+def cmd_detokenize(client: Client, args: argparse.Namespace) -> int:
+    print(client.detokenize(args.ids, skip_special_tokens=not args.keep_special_tokens))
+    return EXIT_OK
+
+
+def cmd_health(client: Client, args: argparse.Namespace) -> int:
+    if args.wait is not None:
+        client.wait_until_ready(args.wait, service=args.service)
+    status = client.health(args.service)
+    print(status.name)
+    return EXIT_OK if status is ServingStatus.SERVING else EXIT_FAILED
+
+
+def cmd_abort(client: Client, args: argparse.Namespace) -> int:
+    if not args.rid and not args.all:
+        print("lmrpc abort: give request ids or --all", file=sys.stderr)
+        return EXIT_USAGE
+    aborted = client.abort(args.rid, abort_all=args.all)
+    for rid in aborted:
+        print(rid)
+    if not aborted:
+        print("nothing was running or queued under those ids", file=sys.stderr)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Set up the dev environment, then run every check CI runs: ruff, mypy, stub freshness, buf lint, buf breaking
+# (against the previous commit), and pytest (everything but GPU tests). Extra arguments go to pytest,
+# e.g. scripts/test.sh tests/unit -k client
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BIN="$ROOT/.venv/bin"
+export PATH="$BIN:$PATH"  # the stub generator runs protoc plugins (protoc-gen-mypy) found on PATH
+PER_TEST_TIMEOUT="${LMRPC_TEST_TIMEOUT:-600}"  # seconds, per test (pytest-timeout)
+
+stage() { printf '\n=== %s ===\n' "$1"; }
+
+stage "setup (scripts/setup.sh --dev)"
+scripts/setup.sh --dev
+
+stage "ruff check"
+"$BIN/ruff" check .
+
+stage "mypy (server kernels client/lmrpc/client)"
+"$BIN/mypy" server kernels client/lmrpc/client
+
+stage "generated stubs are fresh (client/scripts/generate_stubs.py --check)"
+"$BIN/python" client/scripts/generate_stubs.py --check
+
+stage "buf lint"
+"$BIN/buf" lint
+
+stage "buf breaking (against the previous commit)"
+if ! git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  echo "skipped: not a git work tree"
+elif ! git rev-parse -q --verify 'HEAD~1^{commit}' >/dev/null; then
+  echo "skipped: no previous commit (a first commit, or a shallow clone)"
+elif ! git cat-file -e 'HEAD~1:proto' 2>/dev/null || ! git cat-file -e 'HEAD~1:buf.yaml' 2>/dev/null; then
+  echo "skipped: the previous commit has no proto/ or buf.yaml"
+else
+  "$BIN/buf" breaking --against '.git#ref=HEAD~1'
+  echo "no breaking change against $(git rev-parse --short HEAD~1)"
+fi
+
+stage "pytest -m 'not gpu' (timeout ${PER_TEST_TIMEOUT}s per test)"
+set +e
+"$BIN/pytest" -m "not gpu" --timeout="$PER_TEST_TIMEOUT" -q -rfEs "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+  echo "test.sh: FAILED: pytest collected no tests (exit 5); a run that tests nothing must not pass" >&2
+  exit 5
+elif [[ $rc -ne 0 ]]; then
+  echo "test.sh: FAILED: pytest exited $rc" >&2
+  exit "$rc"
+fi
+echo
+echo "test.sh: all checks passed"
