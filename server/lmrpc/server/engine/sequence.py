@@ -28,6 +28,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache (cached or computed)
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at (first) admission
+    num_admissions: int = 0  # times admitted into the running set (> 1 after preemption)
     page_table: list[int] = field(default_factory=list)  # KV pages, in order; page i holds tokens [i*P, (i+1)*P)
     wait_for: Sequence | None = None  # n > 1: don't admit before this sibling's prompt is in the prefix cache
     finish: Finish | None = None  # set once finished

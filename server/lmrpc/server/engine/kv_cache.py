@@ -1,0 +1,183 @@
+"""Paged KV-cache bookkeeping: a pool of fixed-size pages, per-sequence page tables, reference counts, and a
+page-granular prefix cache. Pure Python (no torch): the runner owns the tensors, this owns which page is whose.
+
+A page is referenced by live sequences (`_seq_refs`) and possibly by the prefix cache. It is free when neither
+holds it; a page held only by the cache is evictable (LRU, leaves first, so every cached chain stays reachable).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from lmrpc.server.engine.sequence import Sequence
+
+PageKey = tuple[int, tuple[int, ...]]  # (parent page in the cache or -1, the page's token ids)
+
+
+@dataclass(eq=False)
+class _Node:
+    """One cached full page."""
+
+    key: PageKey  # how it is found: chained from its parent page
+    page: int  # the physical page holding its K/V
+    parent: _Node | None  # the cached page before it (None for a prompt's first page)
+    children: int = 0  # cached pages chained after it; only leaves are evicted
+
+
+@dataclass
+class _Chain:
+    """How far a sequence's pages were offered to the prefix cache."""
+
+    num_committed: int = 0  # leading pages of the page table already considered
+    parent: _Node | None = None  # the cache node of the last considered page
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True) -> None:
+        assert num_pages >= 1 and page_size >= 1
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self._free: deque[int] = deque(range(num_pages))
+        self._seq_refs = [0] * num_pages  # live sequences holding each page
+        self._nodes: dict[PageKey, _Node] = {}
+        self._node_of_page: dict[int, _Node] = {}
+        self._lru: OrderedDict[int, _Node] = OrderedDict()  # cached pages, least recently used first
+        self._num_used = 0  # pages with _seq_refs > 0
+        self._num_cached_only = 0  # cached pages with _seq_refs == 0
+        self._chains: dict[Sequence, _Chain] = {}
+
+    # ---- counters ----------------------------------------------------------------------------------------------
+
+    @property
+    def num_used_pages(self) -> int:
+        return self._num_used
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self._num_cached_only
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free) + self._num_cached_only
+
+    # ---- references ---------------------------------------------------------------------------------------------
+
+    def _incref(self, page: int) -> None:
+        if self._seq_refs[page] == 0:
+            self._num_used += 1
+            if page in self._node_of_page:
+                self._num_cached_only -= 1
+        self._seq_refs[page] += 1
+
+    def _decref(self, page: int) -> None:
+        assert self._seq_refs[page] > 0, f"page {page} released more often than taken"
+        self._seq_refs[page] -= 1
+        if self._seq_refs[page] == 0:
+            self._num_used -= 1
+            if page in self._node_of_page:
+                self._num_cached_only += 1
+            else:
+                self._free.append(page)
+
+    def _take_page(self) -> int:
+        if not self._free:
+            self._evict_one()
+        page = self._free.popleft()
+        self._incref(page)
+        return page
+
+    def _evict_one(self) -> None:
+        for page, node in self._lru.items():
+            if node.children == 0 and self._seq_refs[page] == 0:
+                self._drop(node)
+                return
+        raise AssertionError("no free or evictable page: callers must check can_allocate first")
+
+    def _drop(self, node: _Node) -> None:
+        del self._nodes[node.key]
+        del self._node_of_page[node.page]
+        del self._lru[node.page]
+        if node.parent is not None:
+            node.parent.children -= 1
+        self._num_cached_only -= 1
+        self._free.append(node.page)
+
+    # ---- sequences ----------------------------------------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Reuse cached pages for the longest page-aligned prefix of `seq` that may be cached."""
+        assert not seq.page_table and seq.num_computed_tokens == 0
+        chain = _Chain()
+        if self.enable_prefix_cache:
+            size = self.page_size
+            for i in range(seq.max_cacheable_prompt_tokens // size):
+                key = (chain.parent.page if chain.parent else -1, tuple(seq.token_ids[i * size : (i + 1) * size]))
+                node = self._nodes.get(key)
+                if node is None:
+                    break
+                self._incref(node.page)
+                self._lru.move_to_end(node.page)
+                seq.page_table.append(node.page)
+                chain = _Chain(len(seq.page_table), node)
+        seq.num_computed_tokens = len(seq.page_table) * self.page_size
+        self._chains[seq] = chain
+
+    def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.page_size) - len(seq.page_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.pages_needed(seq, num_new_tokens) <= self.num_free_pages
+
+    def max_allocatable_tokens(self, seq: Sequence) -> int:
+        """How many more tokens `seq` could hold with the pages free now."""
+        slack = len(seq.page_table) * self.page_size - seq.num_computed_tokens
+        return slack + self.num_free_pages * self.page_size
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        needed = self.pages_needed(seq, num_new_tokens)
+        assert needed <= self.num_free_pages, "allocate without can_allocate"
+        seq.page_table.extend(self._take_page() for _ in range(needed))
+
+    def commit(self, seq: Sequence) -> None:
+        """Offer the sequence's newly full pages to the prefix cache."""
+        if not self.enable_prefix_cache:
+            return
+        chain = self._chains.setdefault(seq, _Chain())
+        size = self.page_size
+        full = min(seq.num_computed_tokens // size, len(seq.page_table))
+        while chain.num_committed < full:
+            i = chain.num_committed
+            key = (chain.parent.page if chain.parent else -1, tuple(seq.token_ids[i * size : (i + 1) * size]))
+            node = self._nodes.get(key)
+            if node is None:
+                page = seq.page_table[i]
+                if page in self._node_of_page:  # shared page already cached under another chain: stop here
+                    break
+                node = _Node(key, page, chain.parent)
+                if chain.parent is not None:
+                    chain.parent.children += 1
+                self._nodes[key] = node
+                self._node_of_page[page] = node
+            # else: an identical page computed by another sequence is cached; ours stays private, and later
+            # pages chain off the cached one so they stay reachable.
+            self._lru[node.page] = node
+            self._lru.move_to_end(node.page)
+            chain.num_committed += 1
+            chain.parent = node
+
+    def free(self, seq: Sequence) -> None:
+        for page in seq.page_table:
+            self._decref(page)
+        seq.page_table = []
+        self._chains.pop(seq, None)
+
+    def check_invariants(self) -> None:
+        """Every page is exactly one of: free, cached only, used (tests call this)."""
+        used = sum(1 for r in self._seq_refs if r > 0)
+        cached_only = sum(1 for p in self._node_of_page if self._seq_refs[p] == 0)
+        assert used == self._num_used and cached_only == self._num_cached_only
+        assert len(set(self._free)) == len(self._free)
+        assert len(self._free) + used + cached_only == self.num_pages

@@ -1,0 +1,149 @@
+"""Continuous batching: which tokens of which sequences the next step computes. Pure Python (no torch).
+
+Each step: every running decode gets one token; then prefills (running ones first, then waiting ones in FCFS
+order) get chunks under the token budget, so a long prompt never stalls decodes. Admission is bounded by
+max_running_requests and free pages. When a decode can't get a page, the newest running sequence is preempted:
+its pages are released and it is recomputed later from its tokens (prompt + output so far).
+"""
+
+from __future__ import annotations
+
+from lmrpc.server.config import SchedulerConfig
+from lmrpc.server.engine.kv_cache import KVCacheManager
+from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, SeqStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.running: list[Sequence] = []  # holds pages; kept in arrival order
+        self.waiting: list[Sequence] = []  # no pages; kept in arrival order
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return num_tokens <= self.kv.num_pages * self.kv.page_size
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        at = next((i for i, s in enumerate(self.waiting) if s.arrival > seq.arrival), len(self.waiting))
+        self.waiting.insert(at, seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self._enqueue(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        budget = self.config.max_batched_tokens
+        budget = self._schedule_decodes(chunks, preempted, budget)
+        budget = self._schedule_running_prefills(chunks, budget)
+        self._admit_waiting(chunks, budget)
+        if not chunks and len(self.running) > 1:
+            # Partially prefilled sequences hold every page and none can advance: free the newest.
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            return ScheduledBatch((), tuple(preempted)) if not self.running else self._retry(preempted)
+        return ScheduledBatch(tuple(chunks), tuple(preempted))
+
+    def _retry(self, preempted: list[Sequence]) -> ScheduledBatch:
+        batch = self.schedule()
+        return ScheduledBatch(batch.chunks, (*preempted, *batch.preempted))
+
+    def _schedule_decodes(self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int) -> int:
+        scheduled: set[Sequence] = set()
+        for seq in list(self.running):
+            if budget <= 0 or seq.status is not SeqStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            while not self.kv.can_allocate(seq, 1):
+                victim = next(s for s in reversed(self.running) if s not in scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            self.kv.allocate(seq, 1)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+            scheduled.add(seq)
+            budget -= 1
+        return budget
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        wanted = min(seq.num_uncomputed_tokens, budget, self.config.max_prefill_chunk)
+        return max(0, min(wanted, self.kv.max_allocatable_tokens(seq)))
+
+    def _schedule_running_prefills(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.in_prefill:
+                continue
+            n = self._chunk_size(seq, budget)
+            if n == 0:
+                continue
+            self.kv.allocate(seq, n)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return budget
+
+    def _blocked_on_sibling(self, seq: Sequence) -> bool:
+        sibling = seq.wait_for
+        if sibling is None or sibling.status is SeqStatus.FINISHED:
+            return False
+        return sibling.num_computed_tokens < sibling.num_prompt_tokens - 1
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                return
+            if self._blocked_on_sibling(seq):
+                continue  # n > 1: wait for sample 0's prompt pages instead of computing them again
+            self.kv.match_prefix(seq)
+            n = self._chunk_size(seq, budget)
+            if n == 0:
+                self.kv.free(seq)  # give back the matched prefix; FCFS: nobody overtakes this sequence
+                seq.num_computed_tokens = 0
+                return
+            if seq.num_admissions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.num_admissions += 1
+            self.kv.allocate(seq, n)
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self.running.sort(key=lambda s: s.arrival)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    def on_computed(self, batch: ScheduledBatch) -> None:
+        for chunk in batch.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.kv.commit(chunk.seq)

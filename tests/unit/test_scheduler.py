@@ -1,0 +1,177 @@
+"""The KV-cache bookkeeping and the scheduler, driven by a fake model: milliseconds, no torch."""
+
+from __future__ import annotations
+
+import random
+
+from lmrpc.server.config import SchedulerConfig
+from lmrpc.server.engine.kv_cache import KVCacheManager
+from lmrpc.server.engine.scheduler import Scheduler
+from lmrpc.server.engine.sequence import ScheduledBatch, SeqStatus, Sequence
+from lmrpc.server.protocol import EngineRequest, LogprobOptions, SamplingParams
+
+
+def seq(prompt: list[int], max_new: int = 8, *, logprob_start: int | None = None) -> Sequence:
+    lp = LogprobOptions(start_len=logprob_start) if logprob_start is not None else None
+    req = EngineRequest("r", "r", 0, tuple(prompt), SamplingParams(max_new_tokens=max_new), logprobs=lp)
+    return Sequence(req)
+
+
+def make(num_pages: int = 64, page_size: int = 4, *, max_running: int = 8, budget: int = 32,
+         chunk: int = 32) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_running_requests=max_running, max_batched_tokens=budget,
+                                     max_prefill_chunk=chunk), KVCacheManager(num_pages, page_size))
+
+
+def fake_step(s: Scheduler) -> ScheduledBatch:
+    """One engine step with a 'model' whose next token is a function of the sequence's last token."""
+    batch = s.schedule()
+    s.on_computed(batch)
+    for c in batch.chunks:
+        assert len(c.seq.page_table) * s.kv.page_size >= c.seq.num_computed_tokens
+        if c.samples:
+            c.seq.append_token((c.seq.token_ids[-1] * 7 + 3) % 1000)
+            if c.seq.num_output_tokens >= c.seq.request.params.max_new_tokens:
+                s.finish(c.seq)
+    s.kv.check_invariants()
+    return batch
+
+
+def run_all(s: Scheduler, limit: int = 10_000) -> None:
+    for _ in range(limit):
+        if not s.has_work:
+            return
+        fake_step(s)
+    raise AssertionError("did not finish")
+
+
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    out, last = [], prompt[-1]
+    for _ in range(n):
+        last = (last * 7 + 3) % 1000
+        out.append(last)
+    return out
+
+
+def test_token_budget_chunks_long_prompt_while_decodes_advance() -> None:
+    s = make(num_pages=1024, budget=64, chunk=64)
+    short = seq([1, 2, 3], max_new=40)
+    s.add(short)
+    fake_step(s)  # short prefilled, first token sampled
+    long = seq(list(range(2000)), max_new=2)
+    s.add(long)
+    for _ in range(10):
+        batch = fake_step(s)
+        sizes = {c.seq: c.num_tokens for c in batch.chunks}
+        assert sizes[short] == 1  # the decode advances every step
+        assert sizes[long] == 63  # the rest of the budget goes to the long prompt's chunk
+        assert batch.num_tokens <= 64
+
+
+def test_admission_limit_and_fcfs() -> None:
+    s = make(max_running=2)
+    seqs = [seq([i, i + 1, i + 2], max_new=3) for i in range(5)]
+    for q in seqs:
+        s.add(q)
+    batch = fake_step(s)
+    assert [c.seq for c in batch.chunks] == seqs[:2]
+    assert s.num_running == 2 and s.num_waiting == 3
+    run_all(s)
+    assert all(q.status is SeqStatus.FINISHED for q in seqs)
+    assert s.kv.num_used_pages == 0
+
+
+def test_prefix_cache_figures_100_1000_1000() -> None:
+    s = make(num_pages=2048, page_size=16, budget=4096, chunk=4096)
+    prompt = list(range(1000))
+    cached = []
+    for p in (prompt[:100], prompt, prompt):
+        q = seq(p, max_new=1)
+        s.add(q)
+        run_all(s)
+        cached.append(q.num_cached_tokens)
+    assert cached[0] == 0
+    assert cached[1] == 96  # page-granular "about 100"
+    assert cached[2] == 992  # page-granular "about 999"
+
+
+def test_prompt_logprobs_limit_reuse() -> None:
+    s = make(num_pages=256, page_size=4)
+    s.add(seq(list(range(40)), max_new=1))
+    run_all(s)
+    q = seq(list(range(40)), max_new=1, logprob_start=10)
+    s.add(q)
+    run_all(s)
+    assert q.num_cached_tokens == 8  # logits from position 9 on are needed: only 2 full pages reused
+
+
+def test_wait_for_sibling_shares_prefill() -> None:
+    s = make(num_pages=256, page_size=4, budget=256, chunk=256)
+    first = seq(list(range(30)), max_new=4)
+    second = seq(list(range(30)), max_new=4)
+    second.wait_for = first
+    s.add(first)
+    s.add(second)
+    batch = fake_step(s)
+    assert [c.seq for c in batch.chunks] == [first]
+    run_all(s)
+    assert second.num_cached_tokens == 28
+
+
+def test_tiny_pool_preempts_and_everything_completes_correctly() -> None:
+    s = make(num_pages=12, page_size=4, budget=64, chunk=16, max_running=8)  # 48 token slots
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randrange(3, 12))] for _ in range(10)]
+    seqs = [seq(p, max_new=20) for p in prompts]
+    for q in seqs:
+        s.add(q)
+    preempted = 0
+    for _ in range(5000):
+        if not s.has_work:
+            break
+        preempted += len(fake_step(s).preempted)
+    assert not s.has_work
+    assert preempted > 0
+    for q, p in zip(seqs, prompts, strict=True):
+        assert q.output_ids == expected_output(p, 20)
+    assert s.kv.num_used_pages == 0 and s.kv.num_free_pages == s.kv.num_pages
+
+
+def test_random_aborts_return_every_page() -> None:
+    rng = random.Random(1)
+    s = make(num_pages=40, page_size=4, budget=48, chunk=16, max_running=6)
+    live: list[Sequence] = []
+    shared = [rng.randrange(1000) for _ in range(12)]
+    for _ in range(300):
+        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
+        q = seq(prompt, max_new=rng.randrange(1, 30))
+        s.add(q)
+        live.append(q)
+        for _ in range(rng.randrange(0, 3)):
+            fake_step(s)
+        if rng.random() < 0.4:
+            victim = rng.choice(live)
+            if victim.status is not SeqStatus.FINISHED:
+                s.finish(victim)  # abort in whatever state it is
+        live = [q for q in live if q.status is not SeqStatus.FINISHED]
+    run_all(s)
+    s.kv.check_invariants()
+    assert s.kv.num_used_pages == 0
+    assert s.kv.num_free_pages == s.kv.num_pages
+
+
+def test_shared_pages_are_refcounted() -> None:
+    kv = KVCacheManager(16, 4)
+    a, b = seq(list(range(9))), seq(list(range(9)))
+    kv.match_prefix(a)
+    kv.allocate(a, 9)
+    a.num_computed_tokens = 9
+    kv.commit(a)
+    kv.match_prefix(b)
+    assert b.page_table == a.page_table[:2] and b.num_computed_tokens == 8
+    assert kv.num_used_pages == 3
+    kv.free(a)
+    assert kv.num_used_pages == 2  # b still holds the two shared pages
+    kv.free(b)
+    assert kv.num_used_pages == 0 and kv.num_cached_pages == 2 and kv.num_free_pages == 16
+    kv.check_invariants()
