@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-# The scheduler, KV cache and model runner land in their own commits; until they do, this module cannot import.
-pytest.importorskip("lmrpc.server.engine.scheduler", reason="engine scheduler not landed yet")
-pytest.importorskip("lmrpc.server.engine.runner", reason="model runner not landed yet")
-
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.engine import AsyncEngine, _Abort, _Add
 from lmrpc.server.protocol import (
     EngineOutput,
     EngineRequest,
@@ -146,13 +143,21 @@ async def test_random_cancels_and_aborts_return_every_page(engine: AsyncEngine) 
 
 
 async def test_abort_while_queued_never_reaches_model(engine: AsyncEngine) -> None:
+    outputs: list[EngineOutput] = []
+    done = threading.Event()
+
+    def sink(out: EngineOutput) -> None:
+        outputs.append(out)
+        if out.finish is not None:
+            done.set()
+
     req = request([VOCAB_LOW] * 10, GREEDY, rid="queued")
-    gen = engine.generate([req])
-    engine.abort(["queued"])  # posted right behind the add: applied before the next step
-    outs = [o async for o in gen]
-    assert outs[-1].finish is not None
-    assert outs[-1].finish.reason is FinishReason.ABORT
-    assert sum(len(o.token_ids) for o in outs) == 0
+    # Both commands sit in the inbox together, so the abort is applied before any step could run the request.
+    engine.engine.submit(_Add(req, sink))
+    engine.engine.submit(_Abort(req.request_id, "test"))
+    assert await asyncio.to_thread(done.wait, 30)
+    assert outputs[-1].finish is not None and outputs[-1].finish.reason is FinishReason.ABORT
+    assert sum(len(o.token_ids) for o in outputs) == 0
     await wait_idle(engine)
 
 

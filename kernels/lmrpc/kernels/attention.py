@@ -1,0 +1,119 @@
+"""Paged attention over a flat batch of tokens from many sequences (prefill chunks and decodes together).
+
+The KV cache of one layer is two tensors [num_slots, kv_heads, head_dim] (num_slots = num_pages * page_size):
+slot `page * page_size + offset` holds position `offset` of that page. `AttentionMetadata` is built once per
+step by the runner and shared by every layer.
+
+Backends: `torch_reference` (CPU, and the reference every other backend is to be tested against); a flashinfer
+backend for CUDA is still to come (see select_backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """One sequence that computes more than one token this step."""
+
+    start: int  # first row of its tokens in the flat batch
+    num_tokens: int  # its new tokens (queries)
+    slots: torch.Tensor  # [context] int64: cache slots of positions 0..context-1 (context includes the new tokens)
+    mask: torch.Tensor | None  # [num_tokens, context] bool causal mask offset by the cached prefix; None if none
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """How the flat batch maps onto sequences and cache slots (decodes first, then prefills)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
+    num_decodes: int  # rows 0..num_decodes-1 are single-token decodes
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64 cache slots (padding points at slot 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool: True where a real position
+    prefills: tuple[PrefillSeq, ...]  # the other sequences
+
+
+def build_metadata(
+    chunks: list[tuple[int, int, torch.Tensor]], page_size: int, device: torch.device
+) -> AttentionMetadata:
+    """chunks: (start position, num new tokens, page table [pages] int64) per sequence, decodes first."""
+    offsets = torch.arange(page_size, dtype=torch.int64)
+    slot_lists: list[torch.Tensor] = []
+    all_slots: list[torch.Tensor] = []
+    for start, n, pages in chunks:
+        slots = (pages[:, None] * page_size + offsets).reshape(-1)[: start + n]  # [context]
+        all_slots.append(slots)
+        slot_lists.append(slots[start:])
+    slot_mapping = torch.cat(slot_lists).to(device)
+    num_decodes = 0
+    while num_decodes < len(chunks) and chunks[num_decodes][1] == 1:
+        num_decodes += 1
+    decode_slots = decode_mask = None
+    if num_decodes:
+        lengths = torch.tensor([chunks[i][0] + 1 for i in range(num_decodes)])
+        width = int(lengths.max())
+        decode_slots = torch.zeros(num_decodes, width, dtype=torch.int64)
+        for i in range(num_decodes):
+            decode_slots[i, : lengths[i]] = all_slots[i]
+        decode_mask = (torch.arange(width)[None, :] < lengths[:, None]).view(num_decodes, 1, 1, width)
+        decode_slots, decode_mask = decode_slots.to(device), decode_mask.to(device)
+    prefills = []
+    row = num_decodes
+    for (start, n, _), slots in zip(chunks[num_decodes:], all_slots[num_decodes:], strict=True):
+        mask = None
+        if start > 0:  # query i sits at position start + i and sees keys 0..start+i
+            mask = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+            mask = mask.to(device)
+        prefills.append(PrefillSeq(row, n, slots.to(device), mask))
+        row += n
+    return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, tuple(prefills))
+
+
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]
+
+
+def torch_reference(
+    q: torch.Tensor,  # [T, heads, head_dim]
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, heads, head_dim]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    d = meta.num_decodes
+    if d:
+        assert meta.decode_slots is not None
+        qd = q[:d].unsqueeze(2)  # [d, heads, 1, head_dim]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [d, kv_heads, context, head_dim]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        out[:d] = od.squeeze(2)
+    for p in meta.prefills:
+        qp = q[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+        kp = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, head_dim]
+        vp = v_cache[p.slots].transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+        )
+        out[p.start : p.start + p.num_tokens] = op[0].transpose(0, 1)
+    return out
+
+
+def select_backend(device: torch.device) -> AttentionFn:
+    """The attention implementation for this device.
+
+    The flashinfer backend (CUDA) has not landed yet; the reference is correct on every device meanwhile.
+    """
+    del device
+    return torch_reference

@@ -1,0 +1,179 @@
+"""Our Llama-family model (Llama/SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k norms).
+
+The forward pass takes a flat batch of tokens from many sequences with their positions; attention reads and
+writes the paged KV cache described by `AttentionMetadata`. Projections are fused (qkv, gate_up) so a layer is
+four matmuls, each through the `LinearLayer` interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from lmrpc.kernels.attention import AttentionFn, AttentionMetadata
+from lmrpc.server.models import register
+from lmrpc.server.models.linear import DenseLinear
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The architecture's sizes and switches, read once from the HF config."""
+
+    hidden: int  # model width
+    layers: int  # decoder layers
+    heads: int  # query heads
+    kv_heads: int  # key/value heads (GQA when < heads)
+    head_dim: int  # per-head width
+    intermediate: int  # MLP width
+    vocab: int  # embedding rows
+    eps: float  # RMSNorm epsilon
+    tie_embeddings: bool  # lm_head shares the embedding matrix
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+
+    def __post_init__(self) -> None:
+        assert self.heads % self.kv_heads == 0, "query heads must be a multiple of kv heads"
+
+    @classmethod
+    def from_hf(cls, config: PretrainedConfig, qk_norm: bool) -> LlamaShape:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            hidden=config.hidden_size, layers=config.num_hidden_layers, heads=config.num_attention_heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
+            eps=config.rms_norm_eps, tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=qk_norm,
+        )
+
+
+def rope_tables(config: PretrainedConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_positions, head_dim] float32, for any rope type transformers knows."""
+    params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        scale = 1.0
+    else:
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())  # [pos, head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [pos, head_dim]: the rotate-half layout
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: LlamaShape, qkv: DenseLinear, o: DenseLinear, gate_up: DenseLinear,
+                 down: DenseLinear) -> None:
+        super().__init__()
+        self.shape = shape
+        self.input_norm = RMSNorm(shape.hidden, shape.eps)
+        self.post_attention_norm = RMSNorm(shape.hidden, shape.eps)
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.q_norm = RMSNorm(shape.head_dim, shape.eps) if shape.qk_norm else None
+        self.k_norm = RMSNorm(shape.head_dim, shape.eps) if shape.qk_norm else None
+        self.scale = shape.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionFn) -> torch.Tensor:
+        s = self.shape
+        t = x.shape[0]
+        q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        q, k, v = self.qkv(self.input_norm(x)).split([q_width, kv_width, kv_width], dim=-1)
+        q = q.view(t, s.heads, s.head_dim)  # [T, heads, head_dim]
+        k = k.view(t, s.kv_heads, s.head_dim)  # [T, kv_heads, head_dim]
+        v = v.view(t, s.kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn = attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, heads, head_dim]
+        x = x + self.o(attn.reshape(t, q_width))
+        gate, up = self.gate_up(self.post_attention_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+@register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    """Built from an HF config and its safetensors weights (see `from_weights`)."""
+
+    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__()
+        arch = (config.architectures or ["LlamaForCausalLM"])[0]
+        self.shape = shape = LlamaShape.from_hf(config, qk_norm=arch == "Qwen3ForCausalLM")
+        self.max_positions = int(config.max_position_embeddings)
+        w = {name.removeprefix("model."): t.to(dtype) for name, t in weights.items()}
+        self.embed = nn.Embedding.from_pretrained(w["embed_tokens.weight"], freeze=True)
+        self.layers = nn.ModuleList(self._layer(shape, w, i) for i in range(shape.layers))
+        self.norm = RMSNorm(shape.hidden, shape.eps)
+        self.norm.weight.data.copy_(w["norm.weight"])
+        head = w["embed_tokens.weight"] if shape.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.lm_head = DenseLinear(head)
+        cos, sin = rope_tables(config, self.max_positions)
+        self.cos: torch.Tensor  # [max_positions, head_dim]
+        self.sin: torch.Tensor
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
+
+    @staticmethod
+    def _layer(shape: LlamaShape, w: dict[str, torch.Tensor], i: int) -> DecoderLayer:
+        p = f"layers.{i}."
+
+        def cat(names: Iterable[str]) -> torch.Tensor:
+            return torch.cat([w[p + n] for n in names], dim=0)
+
+        qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        bias = cat(n + ".bias" for n in qkv_names) if p + "self_attn.q_proj.bias" in w else None
+        layer = DecoderLayer(
+            shape,
+            qkv=DenseLinear(cat(n + ".weight" for n in qkv_names), bias),
+            o=DenseLinear(w[p + "self_attn.o_proj.weight"]),
+            gate_up=DenseLinear(cat(("mlp.gate_proj.weight", "mlp.up_proj.weight"))),
+            down=DenseLinear(w[p + "mlp.down_proj.weight"]),
+        )
+        layer.input_norm.weight.data.copy_(w[p + "input_layernorm.weight"])
+        layer.post_attention_norm.weight.data.copy_(w[p + "post_attention_layernorm.weight"])
+        if layer.q_norm is not None and layer.k_norm is not None:
+            layer.q_norm.weight.data.copy_(w[p + "self_attn.q_norm.weight"])
+            layer.k_norm.weight.data.copy_(w[p + "self_attn.k_norm.weight"])
+        return layer
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of the cache this model needs."""
+        return self.shape.layers, self.shape.kv_heads, self.shape.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        """input_ids, positions [T]; kv_cache [layers, 2, slots, kv_heads, head_dim] -> hidden [T, hidden]."""
+        x = self.embed(input_ids)  # [T, hidden]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta, attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,39 @@
+"""Shared fixtures: the real tokenizer (from the default GGUF), a tiny random-weight Llama, the real model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from lmrpc.server.config import ModelConfig
+from lmrpc.server.models.loader import default_gguf, resolve_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    gguf = default_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
+    """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer, saved as an HF directory."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real default model, converted once into the cache."""
+    return resolve_model_path(ModelConfig())
