@@ -1,0 +1,59 @@
+"""lmrpc-server: the command line (argparse lives only here)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from lmrpc.server.app import serve
+from lmrpc.server.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lmrpc-server", description="Serve an LLM over the lmrpc.v1 gRPC contract.")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default 50051)")
+    p.add_argument("--model", default=None,
+                   help="local HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights/activations dtype (bfloat16)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
+                   help="unset temperature/top_p/top_k/min_p/repetition_penalty come from the model's "
+                        "generation_config.json (model) or the OpenAI constants (openai)")
+    p.add_argument("--enable-custom-logit-processor", action="store_true",
+                   help="let requests name a server-registered logit processor (e.g. disallowed_tokens)")
+    p.add_argument("--max-running-requests", type=int, default=64, help="outputs decoded at once (64)")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="outputs waiting beyond the running ones before RESOURCE_EXHAUSTED (256)")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens computed per engine step (512)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (16)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV-cache capacity in tokens (default: a share of free memory)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight streams get to finish after SIGTERM (30)")
+    p.add_argument("--drain-delay", type=float, default=1.0,
+                   help="seconds between reporting NOT_SERVING and refusing new calls (1)")
+    p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_config = EngineConfig(
+        model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device),
+        cache=CacheConfig(page_size=args.page_size, num_tokens=args.kv_cache_tokens),
+        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
+                                  max_batched_tokens=args.max_batched_tokens,
+                                  max_prefill_chunk=args.max_batched_tokens),
+        sampling_defaults=args.sampling_defaults,
+        enable_custom_logit_processor=args.enable_custom_logit_processor,
+    )
+    server_config = ServerConfig(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
+                                 shutdown_grace=args.shutdown_grace, drain_delay=args.drain_delay)
+    asyncio.run(serve(engine_config, server_config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Builds and runs the gRPC server: the GenerateService, grpc.health.v1, reflection, and the graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lmrpc.server.config import EngineConfig, ServerConfig
+from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.service import GenerateService
+from lmrpc.v1 import generate_pb2, generate_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    server = grpc.aio.server()
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    # grpc.aio takes no servicer after start, so the service is registered now and gets its engine once loaded.
+    service = GenerateService(None, engine_config, server_config)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(service, server)
+    port = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+    await server.start()
+    print(f"lmrpc-server listening on {server_config.host}:{port}", flush=True)
+
+    # Probes answer NOT_SERVING while the model loads and warms up, off the event loop.
+    engine = await asyncio.to_thread(AsyncEngine.start, engine_config)
+    await asyncio.to_thread(engine.warmup)
+    service.attach(engine)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print("lmrpc-server ready", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    logger.info("draining: NOT_SERVING, then refusing new calls after %.1fs", server_config.drain_delay)
+    await health_servicer.enter_graceful_shutdown()
+    await asyncio.sleep(server_config.drain_delay)
+    service.draining = True
+    await server.stop(grace=server_config.shutdown_grace)  # in-flight streams get the grace period
+    engine.shutdown()

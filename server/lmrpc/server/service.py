@@ -1,0 +1,254 @@
+"""The grpc.aio servicer: protobuf <-> domain, streaming or merged outputs, cancel/deadline -> engine abort."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from lmrpc.server import validation
+from lmrpc.server.config import EngineConfig, ServerConfig
+from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, TokenLogprob
+from lmrpc.v1 import generate_pb2, generate_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Merged:
+    """One output index accumulated for a non-streamed response."""
+
+    index: int  # output index
+    rid: str  # user-facing request id
+    text: list[str] = field(default_factory=list)  # text pieces in order
+    token_ids: list[int] = field(default_factory=list)  # token ids in order
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)  # per output token
+    input_logprobs: list[PositionLogprobs] = field(default_factory=list)  # prompt logprobs
+
+
+def _token_pb(t: TokenLogprob) -> generate_pb2.TokenLogprob:
+    pb = generate_pb2.TokenLogprob(token_id=t.token_id, text=t.text or "")
+    if t.logprob is not None:
+        pb.logprob = t.logprob
+    return pb
+
+
+def _position_pb(p: PositionLogprobs) -> generate_pb2.PositionLogprobs:
+    return generate_pb2.PositionLogprobs(
+        chosen=_token_pb(p.chosen), top=[_token_pb(t) for t in p.top], requested=[_token_pb(t) for t in p.requested]
+    )
+
+
+def _finish_fields(out: EngineOutput, msg: generate_pb2.GenerateResponse) -> None:
+    if out.finish is not None:
+        f = out.finish
+        msg.finish.reason = f.reason.value  # type: ignore[assignment]
+        msg.finish.message = f.message
+        if f.matched_token_id is not None:
+            msg.finish.matched_token_id = f.matched_token_id
+        elif f.matched_text is not None:
+            msg.finish.matched_text = f.matched_text
+    if out.usage is not None:
+        u = out.usage
+        msg.usage.CopyFrom(generate_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens))
+
+
+class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, engine: AsyncEngine | None, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self._engine = engine  # None while the model loads: calls get UNAVAILABLE
+        self.engine_config = engine_config
+        self.server_config = server_config
+        self.draining = False  # set on SIGTERM after the drain delay: new calls get UNAVAILABLE
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    @property
+    def engine(self) -> AsyncEngine:
+        assert self._engine is not None, "checked by _ready"
+        return self._engine
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> None:
+        if self._engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+
+    # ---- request building --------------------------------------------------------------------------------------
+
+    async def _build(self, req: generate_pb2.GenerateRequest, default_rid: str | None) -> list[EngineRequest]:
+        validation.check_unbuilt(req)
+        num_prompts = validation.check_shape(req)
+        info = self.engine.model_info
+        if req.text:
+            tokenizer = self.engine.tokenizer
+            prompts = await asyncio.to_thread(lambda: [list(tokenizer.encode(t)) for t in req.text])
+        else:
+            prompts = [list(ids.ids) for ids in req.input_ids]
+        rids = list(req.rid) or (
+            [default_rid] if default_rid and num_prompts == 1 else [uuid.uuid4().hex for _ in range(num_prompts)]
+        )
+        for rid in rids:
+            if self.engine.is_live(rid):
+                raise validation.invalid("rid", f"request id {rid!r} is already running")
+        logprobs = None
+        if req.return_logprob:
+            logprobs = LogprobOptions(
+                start_len=req.logprob_start_len if req.HasField("logprob_start_len") else -1,
+                top_k=req.top_logprobs_num, token_ids=tuple(req.token_ids_logprob),
+                with_text=req.return_text_in_logprobs,
+            )
+        out: list[EngineRequest] = []
+        use_model = self.engine_config.sampling_defaults == "model"
+        for i, (prompt, rid) in enumerate(zip(prompts, rids, strict=True)):
+            validation.check_prompt(prompt, i, info, req)
+            if not req.sampling_params:
+                pb, name = generate_pb2.SamplingParams(), "sampling_params"
+            elif len(req.sampling_params) == 1:
+                pb, name = req.sampling_params[0], "sampling_params[0]"
+            else:
+                pb, name = req.sampling_params[i], f"sampling_params[{i}]"
+            params = validation.resolve_sampling(
+                pb, name, info, use_model, len(prompt), req.custom_logit_processor,
+                self.engine_config.enable_custom_logit_processor,
+            )
+            if params.logit_processor:
+                try:
+                    self.engine.processors.create(params.logit_processor, dict(params.processor_params))
+                except (KeyError, ValueError) as exc:
+                    raise validation.invalid("custom_logit_processor", str(exc).strip("'\"")) from exc
+            if params.constraint is not None:
+                error = await asyncio.to_thread(self.engine.check_constraint, params.constraint)
+                if error is not None:
+                    raise validation.invalid(f"{name}.{params.constraint.kind}", error)
+            for s in range(params.n):
+                request_id = rid if params.n == 1 else f"{rid}/{s}"
+                seed = None if params.seed is None else params.seed + s  # n seeded samples must differ
+                out.append(EngineRequest(
+                    request_id=request_id, rid=rid, index=i * params.n + s, prompt_ids=tuple(prompt),
+                    params=params if seed == params.seed else _with_seed(params, seed), logprobs=logprobs,
+                    share_prefill_with=None if s == 0 else f"{rid}/0",
+                ))
+        return out
+
+    # ---- RPCs ----------------------------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        await self._ready(context)
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        metadata = dict(context.invocation_metadata() or ())
+        default_rid = metadata.get("x-request-id")
+        try:
+            engine_requests = await self._build(request, str(default_rid) if default_rid else None)
+        except validation.RequestError as exc:
+            await context.abort_with_status(validation.to_status(exc))
+            return
+        stats = self.engine.stats()
+        limit = self.engine_config.scheduler.max_running_requests + self.server_config.max_queued_requests
+        if stats.num_running + stats.num_waiting + len(engine_requests) > limit:
+            await context.abort_with_status(_resource_exhausted(limit))
+            return
+        if default_rid:
+            await context.send_initial_metadata((("x-request-id", str(default_rid)),))
+        by_id = {r.request_id: r for r in engine_requests}
+        merged = {r.request_id: _Merged(r.index, r.rid) for r in engine_requests}
+        async for out in self.engine.generate(engine_requests):
+            req = by_id[out.request_id]
+            if request.stream:
+                msg = generate_pb2.GenerateResponse(
+                    index=req.index, rid=req.rid, text=out.text, token_ids=out.token_ids,
+                    output_logprobs=[_position_pb(p) for p in out.output_logprobs],
+                    input_logprobs=[_position_pb(p) for p in out.input_logprobs],
+                )
+                _finish_fields(out, msg)
+                yield msg
+                continue
+            m = merged[out.request_id]
+            m.text.append(out.text)
+            m.token_ids.extend(out.token_ids)
+            m.output_logprobs.extend(out.output_logprobs)
+            m.input_logprobs.extend(out.input_logprobs)
+            if out.finish is not None:
+                msg = generate_pb2.GenerateResponse(
+                    index=m.index, rid=m.rid, text="".join(m.text), token_ids=m.token_ids,
+                    output_logprobs=[_position_pb(p) for p in m.output_logprobs],
+                    input_logprobs=[_position_pb(p) for p in m.input_logprobs],
+                )
+                _finish_fields(out, msg)
+                yield msg
+
+    async def Abort(
+        self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.AbortResponse:
+        await self._ready(context)
+        found = self.engine.abort(None if request.abort_all else list(request.rid))
+        return generate_pb2.AbortResponse(aborted_rid=found)
+
+    async def GetModelInfo(
+        self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.GetModelInfoResponse:
+        await self._ready(context)
+        info = self.engine.model_info
+        defaults = dict(validation.OPENAI_DEFAULTS)
+        if self.engine_config.sampling_defaults == "model":
+            defaults.update(info.generation_defaults)
+        return generate_pb2.GetModelInfoResponse(
+            model_path=info.path, served_model_name=info.served_model_name, vocab_size=info.vocab_size,
+            max_context_length=info.max_context_length, eos_token_ids=info.eos_token_ids,
+            default_sampling_params=generate_pb2.SamplingParams(
+                max_new_tokens=128, temperature=defaults["temperature"], top_p=defaults["top_p"],
+                top_k=int(defaults["top_k"]), min_p=defaults["min_p"],
+                repetition_penalty=defaults["repetition_penalty"], frequency_penalty=0.0, presence_penalty=0.0,
+                min_new_tokens=0, n=1, ignore_eos=False, skip_special_tokens=True,
+                spaces_between_special_tokens=True, no_stop_trim=False,
+            ),
+            architecture=info.architecture, dtype=info.dtype, device=info.device,
+        )
+
+    async def Tokenize(
+        self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.TokenizeResponse:
+        await self._ready(context)
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode, request.text, add_special_tokens=add)
+        return generate_pb2.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(
+        self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.DetokenizeResponse:
+        await self._ready(context)
+        vocab = self.engine.model_info.vocab_size
+        bad = next((t for t in request.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            await context.abort_with_status(validation.to_status(
+                validation.invalid("token_ids", f"token id {bad} outside [0, {vocab})")))
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = await asyncio.to_thread(self.engine.tokenizer.decode, list(request.token_ids),
+                                       skip_special_tokens=skip)
+        return generate_pb2.DetokenizeResponse(text=str(text))
+
+
+def _with_seed(params: validation.SamplingParams, seed: int | None) -> validation.SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def _resource_exhausted(limit: int) -> grpc.Status:
+    from google.protobuf import any_pb2, duration_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=1)))
+    return rpc_status.to_status(status_pb2.Status(
+        code=code_pb2.RESOURCE_EXHAUSTED, message=f"server is at capacity ({limit} outputs running or queued)",
+        details=[detail]))
+

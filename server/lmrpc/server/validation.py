@@ -1,0 +1,178 @@
+"""Every user-error rule in one place. Rules collect typed violations; `abort_with` maps them to a gRPC status
+with google.rpc.BadRequest field violations (or UNIMPLEMENTED for features not built yet)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2, json_format
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from lmrpc.server.protocol import Constraint, ModelInfo, SamplingParams
+from lmrpc.v1 import generate_pb2
+
+MAX_TOP_LOGPROBS = 20
+OPENAI_DEFAULTS: dict[str, float] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    field: str  # the request field, e.g. "sampling_params[0].top_p"
+    description: str  # what is wrong and the allowed range
+
+
+class RequestError(Exception):
+    """A request the server refuses; carries the status code and the violations."""
+
+    def __init__(self, code: grpc.StatusCode, violations: list[Violation]) -> None:
+        super().__init__("; ".join(f"{v.field}: {v.description}" for v in violations))
+        self.code = code
+        self.violations = violations
+
+
+def to_status(error: RequestError) -> grpc.Status:
+    from grpc_status import rpc_status
+
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[
+        error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+        for v in error.violations
+    ]))
+    code = code_pb2.UNIMPLEMENTED if error.code is grpc.StatusCode.UNIMPLEMENTED else code_pb2.INVALID_ARGUMENT
+    return rpc_status.to_status(status_pb2.Status(code=code, message=str(error), details=[detail]))
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.violations: list[Violation] = []
+
+    def check(self, ok: bool, field: str, description: str) -> None:
+        if not ok:
+            self.violations.append(Violation(field, description))
+
+    def raise_if_any(self, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+        if self.violations:
+            raise RequestError(code, self.violations)
+
+
+def check_unbuilt(req: generate_pb2.GenerateRequest) -> None:
+    c = _Collector()
+    for name in ("input_embeds", "image_data", "audio_data", "lora_path"):
+        c.check(not getattr(req, name), name, "not supported yet by this server")
+    for name in ("return_hidden_states", "return_routed_experts"):
+        c.check(not getattr(req, name), name, "not supported yet by this server")
+    c.raise_if_any(grpc.StatusCode.UNIMPLEMENTED)
+
+
+def check_shape(req: generate_pb2.GenerateRequest) -> int:
+    """Request shape; returns the number of prompts."""
+    c = _Collector()
+    kinds = [k for k in ("text", "input_ids") if len(getattr(req, k))]
+    c.check(len(kinds) == 1, "text" if not kinds else kinds[1] if len(kinds) > 1 else kinds[0],
+            "give exactly one of text or input_ids" if kinds else "no prompt: set text or input_ids")
+    c.raise_if_any()
+    n = len(req.text) or len(req.input_ids)
+    for i, ids in enumerate(req.input_ids):
+        c.check(len(ids.ids) > 0, f"input_ids[{i}]", "must not be empty")
+    for i, text in enumerate(req.text):
+        c.check(len(text) > 0, f"text[{i}]", "must not be empty")
+    c.check(len(req.sampling_params) in (0, 1, n), "sampling_params",
+            f"give 0, 1 or one per prompt ({n}), got {len(req.sampling_params)}")
+    c.check(len(req.rid) in (0, n), "rid", f"give none or one per prompt ({n}), got {len(req.rid)}")
+    c.check(len(set(req.rid)) == len(req.rid), "rid", "request ids must be distinct")
+    c.check(all(req.rid), "rid", "request ids must not be empty")
+    ns = {sp.n if sp.HasField("n") else 1 for sp in req.sampling_params}
+    c.check(len(ns) <= 1, "sampling_params.n", "all prompts of a request must use the same n")
+    c.check(req.top_logprobs_num >= 0 and req.top_logprobs_num <= MAX_TOP_LOGPROBS, "top_logprobs_num",
+            f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
+    c.raise_if_any()
+    return n
+
+
+def check_prompt(ids: list[int], index: int, info: ModelInfo, req: generate_pb2.GenerateRequest) -> None:
+    c = _Collector()
+    field = f"input_ids[{index}]" if req.input_ids else f"text[{index}]"
+    bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+    c.check(bad is None, field, f"token id {bad} outside [0, {info.vocab_size})")
+    c.check(len(ids) < info.max_context_length, field,
+            f"prompt has {len(ids)} tokens; the context holds {info.max_context_length}")
+    if req.HasField("logprob_start_len"):
+        k = req.logprob_start_len
+        c.check(-1 <= k <= len(ids), "logprob_start_len", f"must be in [-1, {len(ids)}] (prompt length), got {k}")
+    for t in req.token_ids_logprob:
+        c.check(0 <= t < info.vocab_size, "token_ids_logprob", f"token id {t} outside [0, {info.vocab_size})")
+    c.raise_if_any()
+
+
+def resolve_sampling(
+    pb: generate_pb2.SamplingParams, field: str, info: ModelInfo, use_model_defaults: bool, prompt_len: int,
+    processor: str, processors_enabled: bool,
+) -> SamplingParams:
+    """Validate one SamplingParams and resolve its defaults (request > model generation_config > constants)."""
+    c = _Collector()
+    defaults = dict(OPENAI_DEFAULTS)
+    if use_model_defaults:
+        defaults.update(info.generation_defaults)
+
+    def get(name: str) -> float:
+        return float(getattr(pb, name)) if pb.HasField(name) else float(defaults.get(name, 0.0))  # type: ignore[arg-type]
+
+    temperature, top_p, min_p = get("temperature"), get("top_p"), get("min_p")
+    top_k = int(get("top_k"))
+    rep = get("repetition_penalty")
+    freq = pb.frequency_penalty if pb.HasField("frequency_penalty") else 0.0
+    pres = pb.presence_penalty if pb.HasField("presence_penalty") else 0.0
+    max_new = pb.max_new_tokens if pb.HasField("max_new_tokens") else 128
+    min_new = pb.min_new_tokens if pb.HasField("min_new_tokens") else 0
+    n = pb.n if pb.HasField("n") else 1
+    c.check(temperature >= 0, f"{field}.temperature", f"must be >= 0, got {temperature}")
+    c.check(0 < top_p <= 1, f"{field}.top_p", f"must be in (0, 1], got {top_p}")
+    c.check(top_k == -1 or top_k >= 1, f"{field}.top_k", f"must be -1 or >= 1, got {top_k}")
+    c.check(0 <= min_p <= 1, f"{field}.min_p", f"must be in [0, 1], got {min_p}")
+    c.check(-2 <= freq <= 2, f"{field}.frequency_penalty", f"must be in [-2, 2], got {freq}")
+    c.check(-2 <= pres <= 2, f"{field}.presence_penalty", f"must be in [-2, 2], got {pres}")
+    c.check(0 <= rep <= 2, f"{field}.repetition_penalty", f"must be in [0, 2], got {rep}")
+    c.check(max_new >= 0, f"{field}.max_new_tokens", f"must be >= 0, got {max_new}")
+    c.check(0 <= min_new <= max(max_new, 0), f"{field}.min_new_tokens",
+            f"must be in [0, max_new_tokens={max_new}], got {min_new}")
+    c.check(n >= 1, f"{field}.n", f"must be >= 1, got {n}")
+    for key, value in pb.logit_bias.items():
+        c.check(0 <= key < info.vocab_size, f"{field}.logit_bias", f"key {key} outside [0, {info.vocab_size})")
+        c.check(-100 <= value <= 100, f"{field}.logit_bias", f"value {value} for {key} outside [-100, 100]")
+    for t in pb.stop_token_ids:
+        c.check(0 <= t < info.vocab_size, f"{field}.stop_token_ids", f"token id {t} outside [0, {info.vocab_size})")
+    for s in pb.stop:
+        c.check(bool(s), f"{field}.stop", "stop strings must not be empty")
+    for pattern in pb.stop_regex:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            c.violations.append(Violation(f"{field}.stop_regex", f"invalid pattern {pattern!r}: {exc}"))
+    c.check(not processor or processors_enabled, "custom_logit_processor",
+            "custom logit processors are disabled (server flag --enable-custom-logit-processor)")
+    c.raise_if_any()
+    kind = pb.WhichOneof("constraint")
+    params: Mapping[str, object] = json_format.MessageToDict(pb.custom_params) if pb.HasField("custom_params") else {}
+    return SamplingParams(
+        max_new_tokens=min(max_new, max(0, info.max_context_length - prompt_len)),
+        min_new_tokens=min_new, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
+        stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), stop_regex=tuple(pb.stop_regex),
+        ignore_eos=pb.ignore_eos, skip_special_tokens=pb.skip_special_tokens if pb.HasField(
+            "skip_special_tokens") else True,
+        spaces_between_special_tokens=pb.spaces_between_special_tokens if pb.HasField(
+            "spaces_between_special_tokens") else True,
+        no_stop_trim=pb.no_stop_trim, logit_bias=dict(pb.logit_bias),
+        seed=pb.sampling_seed if pb.HasField("sampling_seed") else None, n=n,
+        constraint=Constraint(kind, getattr(pb, kind)) if kind else None,
+        logit_processor=processor or None, processor_params=dict(params),
+    )
+
+
+def invalid(field: str, description: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, [Violation(field, description)])
