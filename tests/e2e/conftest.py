@@ -1,0 +1,64 @@
+"""A real lmrpc-server subprocess on a loopback port with the real default model, shared by the e2e tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from lmrpc.client import Client
+
+
+@dataclass
+class RunningServer:
+    target: str  # host:port
+    process: subprocess.Popen[str]  # the server process
+
+
+def start_server(*args: str, timeout: float = 300) -> RunningServer:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lmrpc.server", "--host", "127.0.0.1", "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    target = ""
+    deadline = time.monotonic() + timeout
+    for line in process.stdout:
+        if line.startswith("lmrpc-server listening on "):
+            target = "127.0.0.1:" + line.rsplit(":", 1)[1].strip()
+        if line.startswith("lmrpc-server ready"):
+            break
+        if time.monotonic() > deadline:
+            break
+    if not target or process.poll() is not None:
+        process.kill()
+        raise RuntimeError("lmrpc-server did not start")
+    return RunningServer(target, process)
+
+
+def stop_server(server: RunningServer) -> int:
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        return server.process.wait(timeout=60)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    running = start_server("--enable-custom-logit-processor", "--sampling-defaults", "openai")
+    yield running
+    assert stop_server(running) == 0
+
+
+@pytest.fixture()
+def client(server: RunningServer) -> Iterator[Client]:
+    with Client(server.target) as c:
+        yield c

@@ -1,0 +1,81 @@
+"""Issue 2's acceptance over a real server with the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from lmrpc.client import Client, FinishReason
+from lmrpc.v1 import generate_pb2, generate_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = {"max_new_tokens": 16, "temperature": 0}
+
+
+def test_stream_real_text(client: Client) -> None:
+    deltas = list(client.generate("The capital of France is", sampling_params=GREEDY, stream=True))
+    text = "".join(d.text for d in deltas)
+    assert "Paris" in text
+    assert len(deltas) > 1
+    assert deltas[-1].finish is not None
+
+
+def test_non_stream_one_message_per_index(server) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        request = generate_pb2.GenerateRequest(
+            text=["Hello", "The sky is"],
+            sampling_params=[generate_pb2.SamplingParams(max_new_tokens=8, temperature=0.0, n=2)],
+        )
+        messages = list(stub.Generate(request))
+    assert sorted(m.index for m in messages) == [0, 1, 2, 3]
+    for m in messages:
+        assert m.finish.reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+        assert m.usage.completion_tokens == len(m.token_ids) > 0
+        assert m.usage.prompt_tokens > 0
+
+
+def test_greedy_stream_equals_non_stream(client: Client) -> None:
+    streamed = "".join(d.text for d in client.generate("Once upon a time", sampling_params=GREEDY, stream=True))
+    [merged] = client.generate("Once upon a time", sampling_params=GREEDY)
+    assert streamed == merged.text
+
+
+def test_tokenize_detokenize_round_trip(client: Client) -> None:
+    text = "Hello, world! Ünïcödé 東京 🙂"
+    ids = client.tokenize(text)
+    assert ids and client.detokenize(ids) == text
+
+
+def test_model_info(client: Client) -> None:
+    info = client.model_info()
+    assert info.vocab_size == 49152
+    assert info.max_context_length == 8192
+    assert list(info.eos_token_ids) == [2]
+
+
+def test_health_serving_and_reflection(server) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "lmrpc.v1.GenerateService"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        [answer] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in answer.list_services_response.service}
+    assert {"lmrpc.v1.GenerateService", "grpc.health.v1.Health"} <= names
+
+
+def test_invalid_argument_names_field_and_server_keeps_serving(client: Client) -> None:
+    from lmrpc.client import LmrpcError
+
+    with pytest.raises(LmrpcError) as err:
+        client.generate("hi", sampling_params={"top_p": 1.5})
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_p" in str(err.value)
+    assert any("top_p" in v.field for v in err.value.field_violations)
+    [ok] = client.generate("hi", sampling_params={"max_new_tokens": 2, "temperature": 0})
+    assert ok.finish is not None and ok.finish.reason in (FinishReason.LENGTH, FinishReason.EOS)
