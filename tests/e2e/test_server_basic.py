@@ -79,3 +79,20 @@ def test_invalid_argument_names_field_and_server_keeps_serving(client: Client) -
     assert any("top_p" in v.field for v in err.value.field_violations)
     [ok] = client.generate("hi", sampling_params={"max_new_tokens": 2, "temperature": 0})
     assert ok.finish is not None and ok.finish.reason in (FinishReason.LENGTH, FinishReason.EOS)
+
+
+@pytest.mark.parametrize("field", ["return_hidden_states", "return_routed_experts", "lora_path", "input_embeds"])
+def test_unbuilt_features_are_unimplemented_not_ignored(server, field: str) -> None:
+    request = generate_pb2.GenerateRequest(text=["hi"])
+    if field == "lora_path":
+        request.lora_path.append("adapter")
+    elif field == "input_embeds":
+        request.input_embeds.add().positions.add().values.append(0.5)
+    else:
+        setattr(request, field, True)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert field in (err.value.details() or "")
