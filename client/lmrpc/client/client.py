@@ -46,6 +46,12 @@ class _Base:
         self._credentials = credentials  # None: plaintext
         self._options = list({**DEFAULT_CHANNEL_OPTIONS, **dict(options or ())}.items())
 
+    def _open(self, module: Any) -> Any:
+        """A channel from `grpc` or `grpc.aio` (same constructors), plaintext unless credentials were given."""
+        if self._credentials is None:
+            return module.insecure_channel(self.target, options=self._options)
+        return module.secure_channel(self.target, self._credentials, options=self._options)
+
     def _call_kwargs(self, timeout: float | None, metadata: Metadata | None) -> dict[str, Any]:
         return {
             "timeout": self.timeout if timeout is None else timeout,
@@ -60,10 +66,7 @@ class Client(_Base):
                  options: Sequence[tuple[str, Any]] | None = None, timeout: float | None = None,
                  metadata: Metadata | None = None) -> None:
         super().__init__(target, credentials=credentials, options=options, timeout=timeout, metadata=metadata)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=self._options)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=self._options)
+        self._channel: grpc.Channel = self._open(grpc)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -190,10 +193,7 @@ class AsyncClient(_Base):
                  options: Sequence[tuple[str, Any]] | None = None, timeout: float | None = None,
                  metadata: Metadata | None = None) -> None:
         super().__init__(target, credentials=credentials, options=options, timeout=timeout, metadata=metadata)
-        if credentials is None:
-            self._channel = aio.insecure_channel(target, options=self._options)
-        else:
-            self._channel = aio.secure_channel(target, credentials, options=self._options)
+        self._channel: aio.Channel = self._open(aio)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -130,7 +130,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 seed = None if params.seed is None else params.seed + s  # n seeded samples must differ
                 out.append(EngineRequest(
                     request_id=request_id, rid=rid, index=i * params.n + s, prompt_ids=tuple(prompt),
-                    params=params if seed == params.seed else _with_seed(params, seed), logprobs=logprobs,
+                    params=replace(params, seed=seed), logprobs=logprobs,
                     share_prefill_with=None if s == 0 else f"{rid}/0",
                 ))
         return out
@@ -153,7 +153,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         stats = self.engine.stats()
         limit = self.engine_config.scheduler.max_running_requests + self.server_config.max_queued_requests
         if stats.num_running + stats.num_waiting + len(engine_requests) > limit:
-            await context.abort_with_status(_resource_exhausted(limit))
+            await context.abort_with_status(validation.resource_exhausted_status(limit))
             return
         if default_rid:
             await context.send_initial_metadata((("x-request-id", str(default_rid)),))
@@ -233,22 +233,3 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         text = await asyncio.to_thread(self.engine.tokenizer.decode, list(request.token_ids),
                                        skip_special_tokens=skip)
         return generate_pb2.DetokenizeResponse(text=str(text))
-
-
-def _with_seed(params: validation.SamplingParams, seed: int | None) -> validation.SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)
-
-
-def _resource_exhausted(limit: int) -> grpc.Status:
-    from google.protobuf import any_pb2, duration_pb2
-    from google.rpc import code_pb2, error_details_pb2, status_pb2
-    from grpc_status import rpc_status
-
-    detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=1)))
-    return rpc_status.to_status(status_pb2.Status(
-        code=code_pb2.RESOURCE_EXHAUSTED, message=f"server is at capacity ({limit} outputs running or queued)",
-        details=[detail]))
-

@@ -8,13 +8,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import any_pb2, json_format
+from google.protobuf import any_pb2, duration_pb2, json_format
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from lmrpc.server.protocol import Constraint, ModelInfo, SamplingParams
 from lmrpc.v1 import generate_pb2
 
 MAX_TOP_LOGPROBS = 20
+# Request fields of features not built yet: using one is answered UNIMPLEMENTED, never ignored.
+UNBUILT_FIELDS = (
+    "input_embeds", "image_data", "audio_data", "lora_path", "return_hidden_states", "return_routed_experts",
+)
 OPENAI_DEFAULTS: dict[str, float] = {
     "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
 }
@@ -47,6 +51,17 @@ def to_status(error: RequestError) -> grpc.Status:
     return rpc_status.to_status(status_pb2.Status(code=code, message=str(error), details=[detail]))
 
 
+def resource_exhausted_status(limit: int) -> grpc.Status:
+    """The server is full: RESOURCE_EXHAUSTED with a google.rpc.RetryInfo telling the client when to retry."""
+    from grpc_status import rpc_status
+
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=1)))
+    return rpc_status.to_status(status_pb2.Status(
+        code=code_pb2.RESOURCE_EXHAUSTED, message=f"server is at capacity ({limit} outputs running or queued)",
+        details=[detail]))
+
+
 class _Collector:
     def __init__(self) -> None:
         self.violations: list[Violation] = []
@@ -62,9 +77,7 @@ class _Collector:
 
 def check_unbuilt(req: generate_pb2.GenerateRequest) -> None:
     c = _Collector()
-    for name in ("input_embeds", "image_data", "audio_data", "lora_path"):
-        c.check(not getattr(req, name), name, "not supported yet by this server")
-    for name in ("return_hidden_states", "return_routed_experts"):
+    for name in UNBUILT_FIELDS:
         c.check(not getattr(req, name), name, "not supported yet by this server")
     c.raise_if_any(grpc.StatusCode.UNIMPLEMENTED)
 

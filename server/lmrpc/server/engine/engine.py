@@ -275,10 +275,7 @@ class Engine:
             self._bitmask = torch.full((max(len(lives), 64), words), -1, dtype=torch.int32)
         out = self._bitmask[: len(lives)]  # [rows, words]; unconstrained rows stay all-allowed (-1)
         out.fill_(-1)
-        constrained = [i for i, m in enumerate(matchers) if m is not None]
-        sub = out[constrained]
-        self.grammar.fill_bitmasks([m for m in matchers if m is not None], sub)
-        out[constrained] = sub
+        self.grammar.fill_bitmasks([(m, i) for i, m in enumerate(matchers) if m is not None], out)
         return out.to(self.runner.device)
 
     def _update(self, live: LiveRequest, result: SampleResultRow | None) -> None:

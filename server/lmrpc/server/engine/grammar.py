@@ -98,11 +98,9 @@ class GrammarBackend:
             raise GrammarError(constraint.kind, str(matcher.get_error()))
         return GrammarMatcher(matcher)
 
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], out: torch.Tensor) -> None:
-        """out [B, ceil(vocab/32)] int32: row i <- allowed tokens of matchers[i], in one parallel call."""
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m.matcher, i) for i, m in enumerate(matchers)], out
-        )
+    def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], out: torch.Tensor) -> None:
+        """out [B, ceil(vocab/32)] int32: for each (matcher, i), row i <- its allowed tokens; one parallel call."""
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for m, i in rows], out)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
