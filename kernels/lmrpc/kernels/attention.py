@@ -88,26 +88,42 @@ def torch_reference(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, heads, head_dim]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    # The cache may be stored in a narrower dtype than q/k/v are computed in (half-precision cache with float32
+    # activations on CPU): write rounded, read back up-cast. Every query reads K/V from the cache, never the fresh
+    # k/v, so a prompt sees the same values however it was chunked.
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     d = meta.num_decodes
+    if d and not meta.prefills:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)  # the common all-decode step: no copy
+    out = torch.empty_like(q)
     if d:
-        assert meta.decode_slots is not None
-        qd = q[:d].unsqueeze(2)  # [d, heads, 1, head_dim]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [d, kv_heads, context, head_dim]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[:d] = od.squeeze(2)
+        out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale)
     for p in meta.prefills:
         qp = q[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-        kp = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, head_dim]
-        vp = v_cache[p.slots].transpose(0, 1).unsqueeze(0)
+        kp = k_cache[p.slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, head_dim]
+        vp = v_cache[p.slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
         )
         out[p.start : p.start + p.num_tokens] = op[0].transpose(0, 1)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [d, heads, head_dim]: one query per decoding sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [d, heads, head_dim]
+    assert meta.decode_slots is not None
+    kd = k_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)  # [d, kv_heads, context, head_dim]
+    vd = v_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)
+    od = F.scaled_dot_product_attention(
+        q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+    )  # [d, heads, 1, head_dim]
+    return od.squeeze(2)
 
 
 def select_backend(device: torch.device) -> AttentionFn:

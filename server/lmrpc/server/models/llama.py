@@ -18,7 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lmrpc.kernels.attention import AttentionFn, AttentionMetadata
 from lmrpc.server.models import register
-from lmrpc.server.models.linear import DenseLinear
+from lmrpc.server.models.linear import DenseLinear, Workspace, activation_dtype
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Spelled out: on this CPU, F.rms_norm of one 576-wide row costs ~25 us, these five ops ~10 us.
+        inv_rms = torch.rsqrt(x.square().sum(-1, keepdim=True) * (1.0 / x.shape[-1]) + self.eps)
+        return x * inv_rms * self.weight
 
 
 class DecoderLayer(nn.Module):
@@ -101,13 +103,13 @@ class DecoderLayer(nn.Module):
         s = self.shape
         t = x.shape[0]
         q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        q, k, v = self.qkv(self.input_norm(x)).split([q_width, kv_width, kv_width], dim=-1)
-        q = q.view(t, s.heads, s.head_dim)  # [T, heads, head_dim]
-        k = k.view(t, s.kv_heads, s.head_dim)  # [T, kv_heads, head_dim]
-        v = v.view(t, s.kv_heads, s.head_dim)
+        qk, v = self.qkv(self.input_norm(x)).split([q_width + kv_width, kv_width], dim=-1)
+        qk = qk.reshape(t, s.heads + s.kv_heads, s.head_dim)  # [T, heads + kv_heads, head_dim]
+        v = v.reshape(t, s.kv_heads, s.head_dim)  # [T, kv_heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, : s.heads]), self.k_norm(qk[:, s.heads :])], dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated together: one pass instead of two
+        q, k = qk[:, : s.heads], qk[:, s.heads :]  # [T, heads, head_dim], [T, kv_heads, head_dim]
         attn = attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, heads, head_dim]
         x = x + self.o(attn.reshape(t, q_width))
         gate, up = self.gate_up(self.post_attention_norm(x)).chunk(2, dim=-1)
@@ -118,45 +120,51 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Built from an HF config and its safetensors weights (see `from_weights`)."""
 
-    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
         arch = (config.architectures or ["LlamaForCausalLM"])[0]
         self.shape = shape = LlamaShape.from_hf(config, qk_norm=arch == "Qwen3ForCausalLM")
         self.max_positions = int(config.max_position_embeddings)
+        # Matrices are stored in `dtype`; activations, norms and RoPE tables in `act` (see linear.py).
+        self.act = act = activation_dtype(dtype, device)
         w = {name.removeprefix("model."): t.to(dtype) for name, t in weights.items()}
+        workspace = Workspace()
         self.embed = nn.Embedding.from_pretrained(w["embed_tokens.weight"], freeze=True)
-        self.layers = nn.ModuleList(self._layer(shape, w, i) for i in range(shape.layers))
+        self.layers = nn.ModuleList(self._layer(shape, w, i, act, workspace) for i in range(shape.layers))
         self.norm = RMSNorm(shape.hidden, shape.eps)
-        self.norm.weight.data.copy_(w["norm.weight"])
+        self.norm.weight.data = w["norm.weight"].to(act)
         head = w["embed_tokens.weight"] if shape.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.lm_head = DenseLinear(head)
+        self.lm_head = DenseLinear(head, workspace=workspace)
         cos, sin = rope_tables(config, self.max_positions)
         self.cos: torch.Tensor  # [max_positions, head_dim]
         self.sin: torch.Tensor
-        self.register_buffer("cos", cos.to(dtype), persistent=False)
-        self.register_buffer("sin", sin.to(dtype), persistent=False)
+        self.register_buffer("cos", cos.to(act), persistent=False)
+        self.register_buffer("sin", sin.to(act), persistent=False)
+        self.to(device)
 
     @staticmethod
-    def _layer(shape: LlamaShape, w: dict[str, torch.Tensor], i: int) -> DecoderLayer:
+    def _layer(shape: LlamaShape, w: dict[str, torch.Tensor], i: int, act: torch.dtype,
+               workspace: Workspace) -> DecoderLayer:
         p = f"layers.{i}."
 
         def cat(names: Iterable[str]) -> torch.Tensor:
             return torch.cat([w[p + n] for n in names], dim=0)
 
         qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        bias = cat(n + ".bias" for n in qkv_names) if p + "self_attn.q_proj.bias" in w else None
+        bias = cat(n + ".bias" for n in qkv_names).to(act) if p + "self_attn.q_proj.bias" in w else None
         layer = DecoderLayer(
             shape,
-            qkv=DenseLinear(cat(n + ".weight" for n in qkv_names), bias),
-            o=DenseLinear(w[p + "self_attn.o_proj.weight"]),
-            gate_up=DenseLinear(cat(("mlp.gate_proj.weight", "mlp.up_proj.weight"))),
-            down=DenseLinear(w[p + "mlp.down_proj.weight"]),
+            qkv=DenseLinear(cat(n + ".weight" for n in qkv_names), bias, workspace),
+            o=DenseLinear(w[p + "self_attn.o_proj.weight"], workspace=workspace),
+            gate_up=DenseLinear(cat(("mlp.gate_proj.weight", "mlp.up_proj.weight")), workspace=workspace),
+            down=DenseLinear(w[p + "mlp.down_proj.weight"], workspace=workspace),
         )
-        layer.input_norm.weight.data.copy_(w[p + "input_layernorm.weight"])
-        layer.post_attention_norm.weight.data.copy_(w[p + "post_attention_layernorm.weight"])
+        layer.input_norm.weight.data = w[p + "input_layernorm.weight"].to(act)
+        layer.post_attention_norm.weight.data = w[p + "post_attention_layernorm.weight"].to(act)
         if layer.q_norm is not None and layer.k_norm is not None:
-            layer.q_norm.weight.data.copy_(w[p + "self_attn.q_norm.weight"])
-            layer.k_norm.weight.data.copy_(w[p + "self_attn.k_norm.weight"])
+            layer.q_norm.weight.data = w[p + "self_attn.q_norm.weight"].to(act)
+            layer.k_norm.weight.data = w[p + "self_attn.k_norm.weight"].to(act)
         return layer
 
     @property
@@ -167,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         """input_ids, positions [T]; kv_cache [layers, 2, slots, kv_heads, head_dim] -> hidden [T, hidden]."""
-        x = self.embed(input_ids)  # [T, hidden]
+        x = self.embed(input_ids).to(self.act)  # [T, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):

@@ -129,7 +129,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise NotImplementedError(f"architecture {arch} is not supported; supported: {sorted(registry)}")
     dtype = getattr(torch, config.dtype)
     device = pick_device(config)
-    model = cast(CausalLM, registry[arch](hf_config, _read_weights(path), dtype).to(device=device, dtype=dtype).eval())
+    model = cast(CausalLM, registry[arch](hf_config, _read_weights(path), dtype, device).eval())
     tokenizer = AutoTokenizer.from_pretrained(path)
     source = config.path or str(default_gguf())
     info = ModelInfo(
