@@ -1,0 +1,203 @@
+// Checks the lmrpc gRPC contract from Node.js: the proto files straight from proto/, @grpc/grpc-js on the wire.
+//
+//   node client_test.mjs HOST:PORT [--googleapis DIR]
+//
+// DIR holds google/rpc/status.proto and google/rpc/error_details.proto (the Python package
+// googleapis-common-protos ships them in site-packages); without it the repo's .venv is searched.
+// Prints a JSON summary on stdout; exits 1 if any check failed (each failure explained on stderr).
+
+import fs from "node:fs";
+import path from "node:path";
+import { fileURLToPath } from "node:url";
+
+import grpc from "@grpc/grpc-js";
+import protoLoader from "@grpc/proto-loader";
+import protobuf from "protobufjs";
+
+const HERE = path.dirname(fileURLToPath(import.meta.url));
+const REPO = path.resolve(HERE, "..", "..", "..");
+const PROTO_ROOT = path.join(REPO, "proto");
+const DEADLINE_MS = 120_000;
+
+function parseArgs(argv) {
+  const args = { target: "", googleapis: "" };
+  for (let i = 0; i < argv.length; i++) {
+    if (argv[i] === "--googleapis") args.googleapis = argv[++i] ?? "";
+    else if (!args.target) args.target = argv[i];
+    else throw new Error(`unexpected argument ${argv[i]}`);
+  }
+  if (!args.target) throw new Error("usage: node client_test.mjs HOST:PORT [--googleapis DIR]");
+  return args;
+}
+
+function findGoogleapis(given) {
+  const candidates = given ? [given] : [];
+  if (!given) {
+    const lib = path.join(REPO, ".venv", "lib");
+    for (const py of fs.existsSync(lib) ? fs.readdirSync(lib) : []) {
+      candidates.push(path.join(lib, py, "site-packages"));
+    }
+  }
+  for (const dir of candidates) {
+    if (fs.existsSync(path.join(dir, "google", "rpc", "error_details.proto"))) return dir;
+  }
+  throw new Error(`google/rpc/error_details.proto not found in ${candidates.join(", ") || "(nothing)"}; `
+    + "pass --googleapis DIR");
+}
+
+function loadService(target) {
+  const definition = protoLoader.loadSync("lmrpc/v1/generate.proto", {
+    keepCase: true, longs: String, enums: String, defaults: true, oneofs: true, includeDirs: [PROTO_ROOT],
+  });
+  const lmrpc = grpc.loadPackageDefinition(definition).lmrpc.v1;
+  return new lmrpc.GenerateService(target, grpc.credentials.createInsecure());
+}
+
+function loadRpcTypes(googleapis) {
+  const root = new protobuf.Root();
+  // Imports resolve against the googleapis dir; google/protobuf/* come bundled with protobufjs.
+  root.resolvePath = (_origin, target) => (path.isAbsolute(target) ? target : path.join(googleapis, target));
+  root.loadSync(["google/rpc/status.proto", "google/rpc/error_details.proto"], { keepCase: true });
+  return { Status: root.lookupType("google.rpc.Status"), root };
+}
+
+const deadline = () => new Date(Date.now() + DEADLINE_MS);
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+function unary(client, method, request) {
+  return new Promise((resolve, reject) => {
+    client[method](request, { deadline: deadline() }, (err, reply) => (err ? reject(err) : resolve(reply)));
+  });
+}
+
+class CheckFailed extends Error {}
+
+function check(condition, message) {
+  if (!condition) throw new CheckFailed(message);
+}
+
+// (a) A short greedy text prompt streams deltas; only the last one carries finish and usage.
+async function checkStream(client) {
+  const request = {
+    text: ["The capital of France is"],
+    sampling_params: [{ max_new_tokens: 12, temperature: 0 }],
+    stream: true,
+  };
+  const deltas = await new Promise((resolve, reject) => {
+    const got = [];
+    const call = client.Generate(request, { deadline: deadline() });
+    call.on("data", (m) => got.push(m));
+    call.on("error", reject);
+    call.on("end", () => resolve(got));
+  });
+  check(deltas.length > 1, `expected several deltas, got ${deltas.length}`);
+  const last = deltas[deltas.length - 1];
+  const finished = deltas.filter((d) => d.finish !== null);
+  check(finished.length === 1 && finished[0] === last,
+    `exactly the last delta must carry finish; ${finished.length} of ${deltas.length} did`);
+  const reason = last.finish.reason;
+  check(["FINISH_REASON_LENGTH", "FINISH_REASON_EOS"].includes(reason), `unexpected finish reason ${reason}`);
+  check(last.usage !== null, "the last delta has no usage");
+  const tokens = deltas.reduce((sum, d) => sum + d.token_ids.length, 0);
+  check(last.usage.completion_tokens === tokens,
+    `usage.completion_tokens ${last.usage.completion_tokens} != ${tokens} streamed token ids`);
+  check(last.usage.prompt_tokens > 0, "usage.prompt_tokens is 0");
+  check(deltas.every((d) => d.index === 0 && d.rid === last.rid && d.rid !== ""), "index/rid differ across deltas");
+  const text = deltas.map((d) => d.text).join("");
+  check(text.trim().length > 0, "the streamed text is empty");
+  return { deltas: deltas.length, text, finish_reason: reason, usage: last.usage, rid: last.rid };
+}
+
+// (b) Cancelling a long stream after its first delta ends the call CANCELLED and the server drops the request.
+async function checkCancel(client) {
+  const rid = `node-cancel-${process.pid}-${Date.now()}`;
+  const request = {
+    text: ["Count from one to one thousand:"],
+    sampling_params: [{ max_new_tokens: 4096, temperature: 0, ignore_eos: true }],
+    rid: [rid],
+    stream: true,
+  };
+  const outcome = await new Promise((resolve) => {
+    let seen = 0;
+    const call = client.Generate(request, { deadline: deadline() });
+    call.on("data", (m) => {
+      seen += 1;
+      if (seen === 1) call.cancel();
+      if (m.finish !== null) resolve({ seen, error: null, finish: m.finish.reason });
+    });
+    call.on("error", (err) => resolve({ seen, error: err }));
+    call.on("end", () => resolve({ seen, error: null }));
+  });
+  check(outcome.error !== null, `the cancelled stream ended without an error (finish ${outcome.finish ?? "none"})`);
+  const code = grpc.status[outcome.error.code];
+  check(outcome.error.code === grpc.status.CANCELLED, `expected CANCELLED, got ${code}: ${outcome.error.details}`);
+  check(outcome.seen >= 1, "no delta arrived before the cancel");
+  // The server aborts a cancelled call's request: after a moment, Abort no longer finds it running.
+  await sleep(1000);
+  const aborted = await unary(client, "Abort", { rid: [rid] });
+  check(!aborted.aborted_rid.includes(rid), `request ${rid} was still running 1 s after the cancel`);
+  return { code, deltas_before_cancel: outcome.seen, still_running_after: aborted.aborted_rid };
+}
+
+// (c) An invalid request is INVALID_ARGUMENT with a google.rpc.Status + BadRequest naming the field.
+async function checkInvalid(client, { Status, root }) {
+  const request = { text: ["hi"], sampling_params: [{ temperature: -1 }] };
+  const err = await new Promise((resolve) => {
+    const call = client.Generate(request, { deadline: deadline() });
+    call.on("data", () => {});
+    call.on("error", resolve);
+    call.on("end", () => resolve(null));
+  });
+  check(err !== null, "temperature -1 was accepted");
+  const code = grpc.status[err.code];
+  check(err.code === grpc.status.INVALID_ARGUMENT, `expected INVALID_ARGUMENT, got ${code}: ${err.details}`);
+  const [raw] = err.metadata.get("grpc-status-details-bin");
+  check(Buffer.isBuffer(raw), "no grpc-status-details-bin trailer");
+  const status = Status.toObject(Status.decode(raw), { longs: String, enums: String, defaults: true });
+  check(status.code === grpc.status.INVALID_ARGUMENT, `google.rpc.Status.code is ${status.code}, not 3`);
+  check(status.message === err.details, `Status.message ${JSON.stringify(status.message)} != grpc-message`);
+  const violations = [];
+  for (const any of status.details) {
+    const typeName = any.type_url.slice(any.type_url.lastIndexOf("/") + 1);
+    if (typeName !== "google.rpc.BadRequest") continue;
+    const BadRequest = root.lookupType(typeName);
+    violations.push(...BadRequest.toObject(BadRequest.decode(any.value), { defaults: true }).field_violations);
+  }
+  check(violations.length > 0, `no google.rpc.BadRequest in the details: ${status.details.map((d) => d.type_url)}`);
+  const field = "sampling_params[0].temperature";
+  const hit = violations.find((v) => v.field === field);
+  check(hit !== undefined, `no violation names ${field}: ${JSON.stringify(violations)}`);
+  check(hit.description.includes(">= 0"), `the violation does not give the range: ${hit.description}`);
+  return {
+    code, status_code: status.code, message: status.message,
+    field_violations: violations.map((v) => ({ field: v.field, description: v.description })),
+  };
+}
+
+async function main() {
+  const args = parseArgs(process.argv.slice(2));
+  const rpcTypes = loadRpcTypes(findGoogleapis(args.googleapis));
+  const client = loadService(args.target);
+  const summary = { target: args.target, ok: true, failures: [] };
+  const checks = [["stream", () => checkStream(client)], ["cancel", () => checkCancel(client)],
+    ["invalid_argument", () => checkInvalid(client, rpcTypes)]];
+  for (const [name, run] of checks) {
+    try {
+      summary[name] = await run();
+    } catch (err) {
+      const message = err instanceof CheckFailed ? err.message : `${err.code !== undefined
+        ? `RPC failed with ${grpc.status[err.code]}: ${err.details}` : err.stack}`;
+      summary.ok = false;
+      summary.failures.push({ check: name, message });
+      console.error(`FAILED ${name}: ${message}`);
+    }
+  }
+  client.close();
+  console.log(JSON.stringify(summary, null, 2));
+  process.exitCode = summary.ok ? 0 : 1;
+}
+
+main().catch((err) => {
+  console.error(`FAILED: ${err.stack ?? err}`);
+  process.exitCode = 2;
+});

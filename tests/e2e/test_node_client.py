@@ -1,0 +1,84 @@
+"""The contract from outside Python: a Node.js client (@grpc/grpc-js, protos from proto/) against a real server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.rpc import status_pb2
+
+pytestmark = pytest.mark.e2e
+
+NODE_DIR = Path(__file__).parent / "node"
+SCRIPT = NODE_DIR / "client_test.mjs"
+STAMP = NODE_DIR / "node_modules" / ".lmrpc-installed"  # hash of the manifest + lock last installed
+
+
+def _manifest_hash() -> str:
+    digest = hashlib.sha256()
+    for name in ("package.json", "package-lock.json"):
+        path = NODE_DIR / name
+        digest.update(path.read_bytes() if path.exists() else b"")
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def node_deps() -> Path:
+    """node_modules installed from the lock (once; skipped when it already matches package.json and the lock)."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are needed for the Node.js interop test")
+    wanted = _manifest_hash()
+    if not (STAMP.exists() and STAMP.read_text() == wanted):
+        has_lock = (NODE_DIR / "package-lock.json").exists()
+        command = ["npm", "ci" if has_lock else "install", "--no-audit", "--no-fund"]
+        done = subprocess.run(command, cwd=NODE_DIR, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
+        STAMP.write_text(wanted)
+    return NODE_DIR / "node_modules"
+
+
+def _googleapis_dir() -> Path:
+    """Where googleapis-common-protos put google/rpc/*.proto (site-packages), for the script to decode the details."""
+    root = Path(status_pb2.__file__).resolve().parents[2]
+    assert (root / "google" / "rpc" / "error_details.proto").is_file(), f"no google/rpc protos under {root}"
+    return root
+
+
+@pytest.fixture(scope="module")
+def summary(node_deps: Path, server: Any) -> dict[str, Any]:
+    command = ["node", str(SCRIPT), server.target, "--googleapis", str(_googleapis_dir())]
+    done = subprocess.run(command, cwd=NODE_DIR, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, f"the Node.js client failed (exit {done.returncode}):\n{done.stderr}\n{done.stdout}"
+    result: dict[str, Any] = json.loads(done.stdout)
+    assert result["ok"] is True and result["failures"] == []
+    return result
+
+
+def test_node_streams_deltas_and_the_last_finishes(summary: dict[str, Any]) -> None:
+    stream = summary["stream"]
+    assert stream["deltas"] > 1
+    assert stream["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_EOS")
+    assert stream["usage"]["completion_tokens"] <= 12
+    assert stream["usage"]["prompt_tokens"] > 0
+    assert "Paris" in stream["text"]
+
+
+def test_node_cancel_is_cancelled_and_aborted_on_the_server(summary: dict[str, Any]) -> None:
+    cancel = summary["cancel"]
+    assert cancel["code"] == "CANCELLED"
+    assert cancel["deltas_before_cancel"] >= 1
+    assert cancel["still_running_after"] == []
+
+
+def test_node_decodes_bad_request_details(summary: dict[str, Any]) -> None:
+    invalid = summary["invalid_argument"]
+    assert invalid["code"] == "INVALID_ARGUMENT"
+    assert invalid["status_code"] == 3
+    assert "temperature" in invalid["message"]
+    fields = [v["field"] for v in invalid["field_violations"]]
+    assert "sampling_params[0].temperature" in fields
