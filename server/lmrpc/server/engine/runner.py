@@ -43,7 +43,7 @@ class ModelRunner:
         self.model = loaded.model
         first = next(iter(loaded.model.parameters()))  # type: ignore[call-overload]
         self.device: torch.device = first.device
-        self.dtype: torch.dtype = first.dtype
+        self.dtype: torch.dtype = self.model.kv_dtype
         self.vocab_size = loaded.info.vocab_size
         self.page_size = cache.page_size
         layers, kv_heads, head_dim = self.model.kv_shape

@@ -17,6 +17,9 @@ class CausalLM(Protocol):
     @property
     def kv_shape(self) -> tuple[int, int, int]: ...  # (layers, kv_heads, head_dim)
 
+    @property
+    def kv_dtype(self) -> torch.dtype: ...  # what the KV cache stores
+
     def parameters(self) -> object: ...
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

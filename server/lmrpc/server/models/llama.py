@@ -172,6 +172,11 @@ class LlamaForCausalLM(nn.Module):
         """(layers, kv_heads, head_dim) of the cache this model needs."""
         return self.shape.layers, self.shape.kv_heads, self.shape.head_dim
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache is stored like the weights (half precision halves its memory)."""
+        return self.embed.weight.dtype
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         """input_ids, positions [T]; kv_cache [layers, 2, slots, kv_heads, head_dim] -> hidden [T, hidden]."""

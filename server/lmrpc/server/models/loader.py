@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from lmrpc.server.config import ModelConfig
 from lmrpc.server.models import CausalLM, load_registry
+from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.protocol import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -125,11 +126,15 @@ def load_model(config: ModelConfig) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(path)
     arch = (hf_config.architectures or ["?"])[0]
     registry = load_registry()
-    if arch not in registry:
-        raise NotImplementedError(f"architecture {arch} is not supported; supported: {sorted(registry)}")
     dtype = getattr(torch, config.dtype)
     device = pick_device(config)
-    model = cast(CausalLM, registry[arch](hf_config, _read_weights(path), dtype, device).eval())
+    model: CausalLM
+    if arch in registry:
+        model = cast(CausalLM, registry[arch](hf_config, _read_weights(path), dtype, device).eval())
+    else:
+        logger.warning("no native implementation of %s (native: %s); using the slower transformers fallback",
+                       arch, ", ".join(sorted(registry)))
+        model = HFCausalLM.from_pretrained(path, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     source = config.path or str(default_gguf())
     info = ModelInfo(

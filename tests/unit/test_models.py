@@ -1,0 +1,210 @@
+"""Our model implementations against `transformers` on the same weights: tiny random Llama, Mistral, Qwen2 (qkv
+bias) and Qwen3 (q/k norms) through the paged cache in float32; the HF fallback for an unregistered architecture;
+and the real SmolLM2 model (greedy tokens and logits over 64 steps, the acceptance figure of issue 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from lmrpc.kernels.attention import build_metadata, select_backend
+from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.models import CausalLM
+from lmrpc.server.models.hf_fallback import HFCausalLM
+from lmrpc.server.models.llama import LlamaForCausalLM
+from lmrpc.server.models.loader import load_model
+from lmrpc.server.protocol import EngineRequest, SamplingParams
+
+PAGE = 4  # small pages so the sequences below span many, in scrambled order
+
+
+@dataclass
+class PagedRun:
+    """Runs one sequence through a CausalLM step by step over a paged cache, as the runner would."""
+
+    model: CausalLM
+    pages: torch.Tensor  # [max_pages] int64: a deliberately non-contiguous page table
+    kv_cache: torch.Tensor  # [layers, 2, slots, kv_heads, head_dim]
+
+    @classmethod
+    def create(cls, model: CausalLM, max_tokens: int) -> PagedRun:
+        layers, kv_heads, head_dim = model.kv_shape
+        num_pages = 2 * (max_tokens // PAGE + 1)
+        pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))[: num_pages // 2]
+        kv = torch.zeros(layers, 2, num_pages * PAGE, kv_heads, head_dim, dtype=model.kv_dtype)
+        return cls(model, pages, kv)
+
+    @torch.inference_mode()
+    def logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Compute tokens[start:] given tokens[:start] are cached: logits [len - start, vocab] float32."""
+        n = len(tokens) - start
+        meta = build_metadata([(start, n, self.pages)], PAGE, torch.device("cpu"))
+        hidden = self.model(torch.tensor(tokens[start:]), torch.arange(start, len(tokens)), meta, self.kv_cache,
+                            select_backend(torch.device("cpu")))
+        return self.model.compute_logits(hidden)
+
+
+def tiny_configs() -> dict[str, PretrainedConfig]:
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    return {
+        "LlamaForCausalLM": LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
+        "MistralForCausalLM": MistralConfig(**common, architectures=["MistralForCausalLM"], sliding_window=None),
+        "Qwen2ForCausalLM": Qwen2Config(**common, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False),
+        "Qwen3ForCausalLM": Qwen3Config(**common, head_dim=32, architectures=["Qwen3ForCausalLM"]),
+    }
+
+
+def save_random(config: PretrainedConfig, path: Path, tokenizer: PreTrainedTokenizerBase) -> Path:
+    """A random-weight model of `config` saved as an HF directory (with a tokenizer, which loading needs)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random biases/norm weights, so a missed bias or norm shows up in the logits
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", sorted(tiny_configs()))
+def test_native_model_equals_transformers_through_paged_cache(
+    arch: str, tmp_path: Path, smollm2_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    path = save_random(tiny_configs()[arch], tmp_path / arch, smollm2_tokenizer)
+    ours = load_model(ModelConfig(path=str(path), dtype="float32", device="cpu")).model
+    assert isinstance(ours, LlamaForCausalLM)
+    if arch == "Qwen2ForCausalLM":
+        assert ours.layers[0].qkv.bias is not None  # type: ignore[union-attr]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]  # [40, vocab]
+    run = PagedRun.create(ours, len(tokens))
+    # A chunked prefill (17 tokens, then 13 with the first 17 cached) and 10 single-token decodes.
+    got = [run.logits(tokens[:17], 0), run.logits(tokens[:30], 17)]
+    got += [run.logits(tokens[: i + 1], i) for i in range(30, 40)]
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_weights_with_float32_activations_stay_close(
+    tmp_path: Path, smollm2_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The CPU bf16 path (half weights and KV cache, float32 activations) tracks the float32 model closely."""
+    path = save_random(tiny_configs()["LlamaForCausalLM"], tmp_path / "llama", smollm2_tokenizer)
+    tokens = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        model = load_model(ModelConfig(path=str(path), dtype=dtype, device="cpu")).model
+        run = PagedRun.create(model, len(tokens))
+        outs[dtype] = torch.cat([run.logits(tokens[:16], 0)] + [run.logits(tokens[: i + 1], i) for i in range(16, 24)])
+    bf16_model = load_model(ModelConfig(path=str(path), dtype="bfloat16", device="cpu")).model
+    assert bf16_model.kv_dtype == torch.bfloat16
+    assert (outs["bfloat16"] - outs["float32"]).abs().max() < 0.05
+    assert (outs["bfloat16"].argmax(-1) == outs["float32"].argmax(-1)).float().mean() > 0.9
+
+
+def test_unregistered_architecture_uses_the_transformers_fallback(
+    tmp_path: Path, smollm2_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    config = GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                        architectures=["GPT2LMHeadModel"])
+    path = save_random(config, tmp_path / "gpt2", smollm2_tokenizer)
+    ours = load_model(ModelConfig(path=str(path), dtype="float32", device="cpu")).model
+    assert isinstance(ours, HFCausalLM)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    run = PagedRun.create(ours, len(tokens))
+    got = [run.logits(tokens[:12], 0), run.logits(tokens[:25], 12)]
+    got += [run.logits(tokens[: i + 1], i) for i in range(25, 30)]
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
+
+async def test_fallback_serves_through_the_engine(tmp_path: Path, smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+    """The whole engine (batching, prefix cache, preemption-free) over the fallback gives HF's greedy tokens."""
+    config = GPT2Config(vocab_size=49152, n_embd=32, n_layer=2, n_head=2, n_positions=512,
+                        architectures=["GPT2LMHeadModel"], eos_token_id=2, bos_token_id=1)
+    path = save_random(config, tmp_path / "gpt2-engine", smollm2_tokenizer)
+    engine = AsyncEngine.start(EngineConfig(
+        model=ModelConfig(path=str(path), dtype="float32", device="cpu"),
+        cache=CacheConfig(page_size=4, num_tokens=1024), scheduler=SchedulerConfig(), sampling_defaults="openai",
+    ))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    try:
+        prompts = [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(3)]
+        params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        requests = [EngineRequest(f"f{i}", f"f{i}", i, tuple(p), params) for i, p in enumerate(prompts)]
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        async for out in engine.generate(requests):
+            tokens[out.request_id].extend(out.token_ids)
+        for r, prompt in zip(requests, prompts, strict=True):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            assert tokens[r.request_id] == ref[0, len(prompt) :].tolist()
+    finally:
+        engine.shutdown()
+
+
+PARITY_PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three primary colours:",
+    "Explain in one sentence why the sky is blue.",
+)
+
+
+def _chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+    return list(tokenizer.encode(str(chat), add_special_tokens=False))
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_and_logits_equal_transformers(smollm2_dir: Path) -> None:
+    """Issue 3's figure: 5 prompts, 64 greedy tokens in float32: same tokens, logits within 1e-3."""
+    loaded = load_model(ModelConfig(path=str(smollm2_dir), dtype="float32", device="cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    steps = 64
+    eos = list(loaded.info.eos_token_ids)
+    for text in PARITY_PROMPTS:
+        prompt = _chat(loaded.tokenizer, text)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        ref_tokens = ref.sequences[0, len(prompt) :].tolist()
+        ref_logits = torch.cat(ref.logits)  # [steps, vocab]
+        run = PagedRun.create(loaded.model, len(prompt) + steps)
+        ours_tokens: list[int] = []
+        ours_logits = [run.logits(prompt, 0)[-1:]]
+        tokens = list(prompt)
+        for _ in range(steps):
+            step_logits = ours_logits[-1][0].clone()
+            step_logits[eos] = float("-inf")  # as min_new_tokens does for HF: 64 tokens, EOS never chosen
+            nxt = int(step_logits.argmax())
+            ours_tokens.append(nxt)
+            tokens.append(nxt)
+            if len(ours_tokens) < steps:
+                ours_logits.append(run.logits(tokens, len(tokens) - 1))
+        assert ours_tokens == ref_tokens, text
+        diff = (torch.cat(ours_logits) - ref_logits).abs().max().item()
+        assert diff < 1e-3, f"{text!r}: max logit difference {diff}"
+
+
