@@ -80,7 +80,8 @@ def response_format(fmt: Mapping[str, Any]) -> dict[str, str]:
     """Map an OpenAI `response_format` to sampling parameters to merge into a sampling_params dict.
 
     {"type": "text"} -> {}; {"type": "json_object"} -> {"json_schema": '{"type": "object"}'};
-    {"type": "json_schema", "json_schema": {"schema": {...}}} -> {"json_schema": <that schema as JSON>}.
+    {"type": "json_schema", "json_schema": {"schema": {...}}} -> {"json_schema": <that schema as JSON>};
+    {"type": "structural_tag", "structures": [...], "triggers": [...]} (SGLang's) -> {"structural_tag": <it as JSON>}.
     """
     kind = fmt.get("type")
     if kind == "text":
@@ -93,7 +94,10 @@ def response_format(fmt: Mapping[str, Any]) -> dict[str, str]:
             raise ValueError('response_format of type "json_schema" needs {"json_schema": {"schema": {...}}}')
         schema = spec["schema"]
         return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
-    raise ValueError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}')
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(dict(fmt))}  # the server checks structures and triggers
+    raise ValueError(
+        f'response_format type must be "text", "json_object", "json_schema" or "structural_tag", got {kind!r}')
 
 
 def build_generate_request(

@@ -363,6 +363,7 @@ class SamplingParams(_message.Message):
     CUSTOM_PARAMS_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     SAMPLING_SEED_FIELD_NUMBER: _builtins.int
+    JSON_WHITESPACE_FLEXIBLE_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Maximum number of tokens to generate. Default 128; range >= 0, capped so prompt + output fits the context."""
     temperature: _builtins.float
@@ -407,6 +408,12 @@ class SamplingParams(_message.Message):
     """Keep the matched stop string (or stop token's text) in the output text. Default false."""
     sampling_seed: _builtins.int
     """Seed that makes sampling reproducible whatever else is in the batch. Unset: nondeterministic."""
+    json_whitespace_flexible: _builtins.bool
+    """Whitespace in JSON output (json_schema, and the schemas of a structural_tag's structures). true: any
+    whitespace between JSON tokens; false: exactly ", " between items and ": " after keys, no other whitespace
+    (json.dumps' layout; keeps small models from looping on whitespace). Unset: any whitespace, unless the
+    schema's "x-guidance" object sets "whitespace_flexible". Only with json_schema or structural_tag.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings: generation stops when one appears in the output (trimmed unless no_stop_trim). Non-empty."""
@@ -454,15 +461,18 @@ class SamplingParams(_message.Message):
         custom_params: _struct_pb2.Struct | None = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         sampling_seed: _builtins.int | None = ...,
+        json_whitespace_flexible: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_no_stop_trim", b"_no_stop_trim", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_sampling_seed", b"_sampling_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "constraint", b"constraint", "custom_params", b"custom_params", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "no_stop_trim", b"no_stop_trim", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "sampling_seed", b"sampling_seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "structural_tag", b"structural_tag", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_no_stop_trim", b"_no_stop_trim", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_sampling_seed", b"_sampling_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "constraint", b"constraint", "custom_params", b"custom_params", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "no_stop_trim", b"no_stop_trim", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "sampling_seed", b"sampling_seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "structural_tag", b"structural_tag", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_no_stop_trim", b"_no_stop_trim", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_sampling_seed", b"_sampling_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "constraint", b"constraint", "custom_params", b"custom_params", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "no_stop_trim", b"no_stop_trim", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "sampling_seed", b"sampling_seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "structural_tag", b"structural_tag", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_ignore_eos", b"_ignore_eos", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_no_stop_trim", b"_no_stop_trim", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_sampling_seed", b"_sampling_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "constraint", b"constraint", "custom_params", b"custom_params", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logit_bias", b"logit_bias", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "no_stop_trim", b"no_stop_trim", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "sampling_seed", b"sampling_seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "structural_tag", b"structural_tag", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
     _WhichOneofReturnType__ignore_eos: _TypeAlias = _typing.Literal["ignore_eos"]  # noqa: Y015
     _WhichOneofArgType__ignore_eos: _TypeAlias = _typing.Literal["_ignore_eos", b"_ignore_eos"]  # noqa: Y015
+    _WhichOneofReturnType__json_whitespace_flexible: _TypeAlias = _typing.Literal["json_whitespace_flexible"]  # noqa: Y015
+    _WhichOneofArgType__json_whitespace_flexible: _TypeAlias = _typing.Literal["_json_whitespace_flexible", b"_json_whitespace_flexible"]  # noqa: Y015
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
     _WhichOneofReturnType__min_new_tokens: _TypeAlias = _typing.Literal["min_new_tokens"]  # noqa: Y015
@@ -495,6 +505,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ignore_eos) -> _WhichOneofReturnType__ignore_eos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__json_whitespace_flexible) -> _WhichOneofReturnType__json_whitespace_flexible | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_new_tokens) -> _WhichOneofReturnType__max_new_tokens | None: ...
     @_typing.overload

@@ -46,6 +46,9 @@ class Constraint:
 
     kind: ConstraintKind  # which grammar language `text` is written in
     text: str  # the schema / pattern / grammar / structural tag, as sent
+    # JSON layout (json_schema, and the schemas of a structural_tag): True any whitespace, False exactly
+    # json.dumps' ", " and ": ", None llguidance's default (any whitespace) unless the schema's "x-guidance" says
+    json_whitespace_flexible: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -168,8 +168,11 @@ def resolve_sampling(
             c.violations.append(Violation(f"{field}.stop_regex", f"invalid pattern {pattern!r}: {exc}"))
     c.check(not processor or processors_enabled, "custom_logit_processor",
             "custom logit processors are disabled (server flag --enable-custom-logit-processor)")
-    c.raise_if_any()
     kind = pb.WhichOneof("constraint")
+    json_whitespace = pb.json_whitespace_flexible if pb.HasField("json_whitespace_flexible") else None
+    c.check(json_whitespace is None or kind in ("json_schema", "structural_tag"), f"{field}.json_whitespace_flexible",
+            f"applies only with json_schema or structural_tag, got {kind or 'no constraint'}")
+    c.raise_if_any()
     params: Mapping[str, object] = json_format.MessageToDict(pb.custom_params) if pb.HasField("custom_params") else {}
     return SamplingParams(
         max_new_tokens=min(max_new, max(0, info.max_context_length - prompt_len)),
@@ -182,7 +185,7 @@ def resolve_sampling(
             "spaces_between_special_tokens") else True,
         no_stop_trim=pb.no_stop_trim, logit_bias=dict(pb.logit_bias),
         seed=pb.sampling_seed if pb.HasField("sampling_seed") else None, n=n,
-        constraint=Constraint(kind, getattr(pb, kind)) if kind else None,
+        constraint=Constraint(kind, getattr(pb, kind), json_whitespace) if kind else None,
         logit_processor=processor or None, processor_params=dict(params),
     )
 
