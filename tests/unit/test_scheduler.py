@@ -37,6 +37,45 @@ def fake_step(s: Scheduler) -> ScheduledBatch:
     return batch
 
 
+def test_partial_page_hit_is_copied_and_its_source_released() -> None:
+    kv = KVCacheManager(8, 4)
+    a = seq(list(range(10)), max_new=1)
+    kv.match_prefix(a)
+    kv.allocate(a, 10)
+    a.num_computed_tokens = 10
+    kv.commit(a)
+    kv.free(a)  # pages [0..3], [4..7] full, [8, 9] kept as a partial leaf
+    assert kv.num_cached_pages == 3
+    b = seq([0, 1, 2, 3, 4, 5, 6, 7, 8, 77, 78])
+    kv.match_prefix(b)
+    assert b.num_computed_tokens == 9 and len(b.page_table) == 3
+    (copy,) = kv.take_copies()
+    assert copy.num_tokens == 1 and copy.dst == b.page_table[2] and copy.src != copy.dst
+    assert kv.num_used_pages == 4  # b's three pages and the copy's source, held until the step is done
+    kv.release_copies()
+    assert kv.num_used_pages == 3
+    kv.free(b)
+    kv.check_invariants()
+    assert kv.num_used_pages == 0 and kv.num_free_pages == 8
+
+
+def test_partial_copy_dropped_with_its_admission_releases_the_source() -> None:
+    kv = KVCacheManager(8, 4)
+    a = seq(list(range(6)), max_new=1)
+    kv.match_prefix(a)
+    kv.allocate(a, 6)
+    a.num_computed_tokens = 6
+    kv.commit(a)
+    kv.free(a)
+    b = seq(list(range(8)))
+    kv.match_prefix(b)
+    assert b.num_computed_tokens == 6
+    kv.free(b)  # e.g. admission found no budget: the copy never runs
+    assert kv.take_copies() == ()
+    kv.check_invariants()
+    assert kv.num_used_pages == 0 and kv.num_free_pages == 8
+
+
 def run_all(s: Scheduler, limit: int = 10_000) -> None:
     for _ in range(limit):
         if not s.has_work:
@@ -91,8 +130,8 @@ def test_prefix_cache_figures_100_1000_1000() -> None:
         run_all(s)
         cached.append(q.num_cached_tokens)
     assert cached[0] == 0
-    assert cached[1] == 96  # page-granular "about 100"
-    assert cached[2] == 992  # page-granular "about 999"
+    assert cached[1] == 100  # 96 in place, 4 copied from the first prompt's partial last page
+    assert cached[2] == 999  # all but the last token, whose logits must be computed
 
 
 def test_prompt_logprobs_limit_reuse() -> None:
@@ -102,7 +141,7 @@ def test_prompt_logprobs_limit_reuse() -> None:
     q = seq(list(range(40)), max_new=1, logprob_start=10)
     s.add(q)
     run_all(s)
-    assert q.num_cached_tokens == 8  # logits from position 9 on are needed: only 2 full pages reused
+    assert q.num_cached_tokens == 9  # logits from position 9 on are needed: 2 full pages and 1 token copied
 
 
 def test_wait_for_sibling_shares_prefill() -> None:
@@ -173,5 +212,5 @@ def test_shared_pages_are_refcounted() -> None:
     kv.free(a)
     assert kv.num_used_pages == 2  # b still holds the two shared pages
     kv.free(b)
-    assert kv.num_used_pages == 0 and kv.num_cached_pages == 2 and kv.num_free_pages == 16
+    assert kv.num_used_pages == 0 and kv.num_cached_pages == 3 and kv.num_free_pages == 16  # + a's partial tail
     kv.check_invariants()

@@ -1,8 +1,13 @@
 """Paged KV-cache bookkeeping: a pool of fixed-size pages, per-sequence page tables, reference counts, and a
-page-granular prefix cache. Pure Python (no torch): the runner owns the tensors, this owns which page is whose.
+prefix cache. Pure Python (no torch): the runner owns the tensors, this owns which page is whose.
 
 A page is referenced by live sequences (`_seq_refs`) and possibly by the prefix cache. It is free when neither
 holds it; a page held only by the cache is evictable (LRU, leaves first, so every cached chain stays reachable).
+
+The cache is a tree of pages chained by content. Full pages are shared in place. A finished sequence's last,
+partly filled page is kept too (a partial leaf), and a new prompt that agrees with the first k tokens of any
+cached child page gets those k slots copied into a fresh page of its own (`PageCopy`, done by the runner before
+the step's forward), so reuse is token-granular: a repeated 1000-token prompt reuses 999 tokens, not 992.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from lmrpc.server.engine.sequence import Sequence
+from lmrpc.server.engine.sequence import PageCopy, Sequence
 
 PageKey = tuple[int, tuple[int, ...]]  # (parent page in the cache or -1, the page's token ids)
 
@@ -19,10 +24,14 @@ PageKey = tuple[int, tuple[int, ...]]  # (parent page in the cache or -1, the pa
 class _Node:
     """One cached full page."""
 
-    key: PageKey  # how it is found: chained from its parent page
+    key: PageKey  # how it is found: chained from its parent page; a partial page has fewer than page_size tokens
     page: int  # the physical page holding its K/V
     parent: _Node | None  # the cached page before it (None for a prompt's first page)
     children: int = 0  # cached pages chained after it; only leaves are evicted
+
+    @property
+    def parent_page(self) -> int:
+        return self.key[0]
 
 
 @dataclass
@@ -47,6 +56,9 @@ class KVCacheManager:
         self._num_used = 0  # pages with _seq_refs > 0
         self._num_cached_only = 0  # cached pages with _seq_refs == 0
         self._chains: dict[Sequence, _Chain] = {}
+        self._kids: dict[int, set[_Node]] = {}  # parent page (-1: root) -> cached pages chained after it
+        self._pending_copies: dict[Sequence, PageCopy] = {}  # matched partial pages, not yet handed to a step
+        self._copying: list[PageCopy] = []  # handed to the current step; their sources stay referenced until done
 
     # ---- counters ----------------------------------------------------------------------------------------------
 
@@ -99,10 +111,23 @@ class KVCacheManager:
         del self._nodes[node.key]
         del self._node_of_page[node.page]
         del self._lru[node.page]
+        self._kids[node.parent_page].discard(node)
         if node.parent is not None:
             node.parent.children -= 1
         self._num_cached_only -= 1
         self._free.append(node.page)
+
+    def _insert(self, key: PageKey, page: int, parent: _Node | None) -> _Node:
+        node = _Node(key, page, parent)
+        if parent is not None:
+            parent.children += 1
+        self._nodes[key] = node
+        self._node_of_page[page] = node
+        self._kids.setdefault(key[0], set()).add(node)
+        if self._seq_refs[page] == 0:
+            self._num_cached_only += 1
+        self._lru[page] = node
+        return node
 
     # ---- sequences ----------------------------------------------------------------------------------------------
 
@@ -123,6 +148,44 @@ class KVCacheManager:
                 chain = _Chain(len(seq.page_table), node)
         seq.num_computed_tokens = len(seq.page_table) * self.page_size
         self._chains[seq] = chain
+        if self.enable_prefix_cache:
+            self._match_partial(seq, chain)
+
+    def _match_partial(self, seq: Sequence, chain: _Chain) -> None:
+        """Copy the longest agreeing head of a cached child page into a fresh page (see the module doc)."""
+        start = seq.num_computed_tokens
+        wanted = seq.token_ids[start : seq.max_cacheable_prompt_tokens]
+        if not wanted:
+            return
+        best, best_len = None, 0
+        for node in self._kids.get(chain.parent.page if chain.parent else -1, ()):
+            n = _common_prefix(node.key[1], wanted)
+            if n > best_len:
+                best, best_len = node, n
+        if best is None:
+            return
+        self._incref(best.page)  # the source must outlive the copy: no eviction may take it meanwhile
+        if self.num_free_pages == 0:
+            self._decref(best.page)
+            return
+        self._lru.move_to_end(best.page)
+        dst = self._take_page()
+        seq.page_table.append(dst)
+        seq.num_computed_tokens += best_len
+        self._pending_copies[seq] = PageCopy(best.page, dst, best_len)
+
+    def take_copies(self) -> tuple[PageCopy, ...]:
+        """The page copies the next step must run before its forward; call release_copies after it."""
+        copies = tuple(self._pending_copies.values())
+        self._pending_copies.clear()
+        self._copying.extend(copies)
+        return copies
+
+    def release_copies(self) -> None:
+        """The copies handed out are done (or abandoned with their step): let go of their sources."""
+        for copy in self._copying:
+            self._decref(copy.src)
+        self._copying.clear()
 
     def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
@@ -156,11 +219,7 @@ class KVCacheManager:
                 page = seq.page_table[i]
                 if page in self._node_of_page:  # shared page already cached under another chain: stop here
                     break
-                node = _Node(key, page, chain.parent)
-                if chain.parent is not None:
-                    chain.parent.children += 1
-                self._nodes[key] = node
-                self._node_of_page[page] = node
+                node = self._insert(key, page, chain.parent)
             # else: an identical page computed by another sequence is cached; ours stays private, and later
             # pages chain off the cached one so they stay reachable.
             self._lru[node.page] = node
@@ -169,10 +228,28 @@ class KVCacheManager:
             chain.parent = node
 
     def free(self, seq: Sequence) -> None:
+        copy = self._pending_copies.pop(seq, None)
+        if copy is not None:  # admitted and dropped in the same schedule: the copy never runs
+            self._decref(copy.src)
+        self._keep_partial_tail(seq)
         for page in seq.page_table:
             self._decref(page)
         seq.page_table = []
         self._chains.pop(seq, None)
+
+    def _keep_partial_tail(self, seq: Sequence) -> None:
+        """Cache the computed head of the sequence's last, partly filled page as a partial leaf."""
+        chain = self._chains.get(seq)
+        size = self.page_size
+        index, filled = divmod(seq.num_computed_tokens, size)
+        if (not self.enable_prefix_cache or chain is None or filled == 0 or index >= len(seq.page_table)
+                or chain.num_committed != index or seq in self._pending_copies):
+            return
+        page = seq.page_table[index]
+        key = (chain.parent.page if chain.parent else -1, tuple(seq.token_ids[index * size : index * size + filled]))
+        if page in self._node_of_page or key in self._nodes or self._seq_refs[page] != 1:
+            return  # already cached, an identical tail is, or another sequence still writes this page
+        self._insert(key, page, chain.parent)
 
     def check_invariants(self) -> None:
         """Every page is exactly one of: free, cached only, used (tests call this)."""
@@ -181,3 +258,12 @@ class KVCacheManager:
         assert used == self._num_used and cached_only == self._num_cached_only
         assert len(set(self._free)) == len(self._free)
         assert len(self._free) + used + cached_only == self.num_pages
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):  # b may be longer or shorter than the page
+        if x != y:
+            break
+        n += 1
+    return n

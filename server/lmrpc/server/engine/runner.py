@@ -62,6 +62,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
+        self._copy_pages(batch)
         ids: list[int] = []
         positions: list[int] = []
         for c in batch.chunks:
@@ -82,6 +83,14 @@ class ModelRunner:
             PromptLogits(seq, first, logits[offset : offset + n]) for seq, first, offset, n in prompt_spans
         )
         return ForwardOutput(sampling, prompt)
+
+    def _copy_pages(self, batch: ScheduledBatch) -> None:
+        """Partial prefix-cache hits: copy the matched head of a cached page into the sequence's own page."""
+        p = self.page_size
+        for c in batch.copies:
+            # [layers, k/v, num_tokens, kv_heads, head_dim]
+            src, dst = c.src * p, c.dst * p
+            self.kv_cache[:, :, dst : dst + c.num_tokens] = self.kv_cache[:, :, src : src + c.num_tokens]
 
     def _rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]:
         """Hidden rows to project: the last row of each sampling chunk, then prompt-logprob rows."""

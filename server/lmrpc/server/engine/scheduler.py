@@ -8,6 +8,8 @@ its pages are released and it is recomputed later from its tokens (prompt + outp
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lmrpc.server.config import SchedulerConfig
 from lmrpc.server.engine.kv_cache import KVCacheManager
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, SeqStatus, Sequence
@@ -59,6 +61,11 @@ class Scheduler:
         self._enqueue(seq)
 
     def schedule(self) -> ScheduledBatch:
+        self.kv.release_copies()  # normally done by on_computed; here too in case the last step failed
+        batch = self._schedule()
+        return replace(batch, copies=self.kv.take_copies())
+
+    def _schedule(self) -> ScheduledBatch:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         budget = self.config.max_batched_tokens
@@ -74,7 +81,7 @@ class Scheduler:
         return ScheduledBatch(tuple(chunks), tuple(preempted))
 
     def _retry(self, preempted: list[Sequence]) -> ScheduledBatch:
-        batch = self.schedule()
+        batch = self._schedule()
         return ScheduledBatch(batch.chunks, (*preempted, *batch.preempted))
 
     def _schedule_decodes(self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int) -> int:
@@ -144,6 +151,7 @@ class Scheduler:
             budget -= n
 
     def on_computed(self, batch: ScheduledBatch) -> None:
+        self.kv.release_copies()
         for chunk in batch.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.kv.commit(chunk.seq)

@@ -105,11 +105,21 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class PageCopy:
+    """Copy the first num_tokens slots of page src into page dst (all layers) before the step's forward."""
+
+    src: int  # a cached page whose head matches the sequence's next tokens
+    dst: int  # the sequence's own fresh page
+    num_tokens: int  # 1 .. page_size - 1
+
+
+@dataclass(frozen=True)
 class ScheduledBatch:
     """What one engine step computes: decode chunks first, then prefill chunks, in FCFS order within each."""
 
     chunks: tuple[ScheduledChunk, ...] = ()  # at most one chunk per sequence
     preempted: tuple[Sequence, ...] = ()  # sequences that lost their pages this step (to be recomputed)
+    copies: tuple[PageCopy, ...] = ()  # partial prefix-cache hits to copy before the forward
 
     @property
     def num_tokens(self) -> int:
