@@ -4,17 +4,21 @@ The KV cache of one layer is two tensors [num_slots, kv_heads, head_dim] (num_sl
 slot `page * page_size + offset` holds position `offset` of that page. `AttentionMetadata` is built once per
 step by the runner and shared by every layer.
 
-Backends: `torch_reference` (CPU, and the reference every other backend is to be tested against); a flashinfer
-backend for CUDA is still to come (see select_backend).
+Backends: `torch_reference` (CPU, and the reference every other backend is tested against) and, on CUDA,
+`FlashInferAttention` (flashinfer_attention.py), which reads the flashinfer page-table layout (`PagedLayout`) that
+build_metadata adds when asked. select_backend picks one.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,21 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True)
+class PagedLayout:
+    """The step's sequences in flashinfer's page-table layout (CSR over pages), every sequence in batch order.
+
+    The tensors stay on the host: flashinfer's plan() needs the indptrs and last-page lengths there (it would copy
+    device tensors back, a sync) and uploads what its kernels read itself, once per step.
+    """
+
+    page_size: int  # positions per page (the cache views as [num_slots // page_size, page_size, kv_heads, head_dim])
+    qo_indptr: torch.Tensor  # [num_seqs + 1] int32: sequence i's queries are flat rows qo_indptr[i]:qo_indptr[i+1]
+    kv_indptr: torch.Tensor  # [num_seqs + 1] int32: sequence i's pages are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32: page ids covering positions 0..context-1, in position order
+    kv_last_page_len: torch.Tensor  # [num_seqs] int32 in 1..page_size: positions used in each sequence's last page
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """How the flat batch maps onto sequences and cache slots (decodes first, then prefills)."""
 
@@ -36,12 +55,16 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64 cache slots (padding points at slot 0)
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool: True where a real position
     prefills: tuple[PrefillSeq, ...]  # the other sequences
+    paged: PagedLayout | None = None  # flashinfer's layout of the same step; only built when asked (CUDA)
 
 
 def build_metadata(
-    chunks: list[tuple[int, int, torch.Tensor]], page_size: int, device: torch.device
+    chunks: list[tuple[int, int, torch.Tensor]], page_size: int, device: torch.device, paged_layout: bool = False
 ) -> AttentionMetadata:
-    """chunks: (start position, num new tokens, page table [pages] int64) per sequence, decodes first."""
+    """chunks: (start position, num new tokens, page table [pages] int64) per sequence, decodes first.
+
+    paged_layout: also build `PagedLayout` (for FlashInferAttention); the torch reference does not read it.
+    """
     offsets = torch.arange(page_size, dtype=torch.int64)
     slot_lists: list[torch.Tensor] = []
     all_slots: list[torch.Tensor] = []
@@ -71,7 +94,31 @@ def build_metadata(
             mask = mask.to(device)
         prefills.append(PrefillSeq(row, n, slots.to(device), mask))
         row += n
-    return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, tuple(prefills))
+    paged = _paged_layout(chunks, page_size) if paged_layout else None
+    return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, tuple(prefills), paged)
+
+
+def _paged_layout(chunks: list[tuple[int, int, torch.Tensor]], page_size: int) -> PagedLayout:
+    qo_lens = [n for _, n, _ in chunks]
+    contexts = [start + n for start, n, _ in chunks]  # kv length of each sequence, its new tokens included
+    num_pages = [-(-c // page_size) for c in contexts]  # ceil: a page table may hold more pages than are used yet
+    kv_indices = torch.cat([pages[:p] for (_, _, pages), p in zip(chunks, num_pages, strict=True)])
+    return PagedLayout(
+        page_size=page_size,
+        qo_indptr=_indptr(qo_lens),
+        kv_indptr=_indptr(num_pages),
+        kv_indices=kv_indices.to(torch.int32),
+        kv_last_page_len=torch.tensor(
+            [c - (p - 1) * page_size for c, p in zip(contexts, num_pages, strict=True)], dtype=torch.int32
+        ),
+    )
+
+
+def _indptr(lengths: list[int]) -> torch.Tensor:
+    """[len(lengths) + 1] int32 exclusive prefix sums: 0, l0, l0 + l1, ..."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return out
 
 
 AttentionFn = Callable[
@@ -126,10 +173,26 @@ def _decode_attention(
     return od.squeeze(2)
 
 
+_warned_no_flashinfer = False
+
+
 def select_backend(device: torch.device) -> AttentionFn:
     """The attention implementation for this device.
 
-    The flashinfer backend (CUDA) has not landed yet; the reference is correct on every device meanwhile.
+    CUDA: flashinfer's paged kernels when flashinfer imports (the runner must then build the metadata with
+    paged_layout=True), else the torch reference with a warning. Elsewhere: the torch reference.
     """
-    del device
-    return torch_reference
+    global _warned_no_flashinfer
+    if device.type != "cuda":
+        return torch_reference
+    try:
+        import flashinfer  # noqa: F401  (probe only; FlashInferAttention imports it for use)
+    except (ImportError, OSError) as e:  # OSError: installed but its CUDA libraries do not load
+        if not _warned_no_flashinfer:
+            _warned_no_flashinfer = True
+            logger.warning("flashinfer is unavailable (%s): CUDA attention falls back to the slow torch reference", e)
+        return torch_reference
+    # Imported here: flashinfer_attention imports this module.
+    from lmrpc.kernels.flashinfer_attention import FlashInferAttention
+
+    return FlashInferAttention(device)
