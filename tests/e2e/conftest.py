@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -62,3 +62,9 @@ def server() -> Iterator[RunningServer]:
 def client(server: RunningServer) -> Iterator[Client]:
     with Client(server.target) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def launch_server() -> Callable[..., RunningServer]:
+    """start_server for tests that need a server with flags of their own (they stop it themselves)."""
+    return start_server

@@ -65,6 +65,9 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         self.engine_config = engine_config
         self.server_config = server_config
         self.draining = False  # set on SIGTERM after the drain delay: new calls get UNAVAILABLE
+        # Outputs admitted and not yet finished. Counted here, not read from the engine's queues: requests posted
+        # to the engine thread are not in its scheduler yet, so a burst would all pass an engine-side check.
+        self._outputs_in_flight = 0
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -150,11 +153,21 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         except validation.RequestError as exc:
             await context.abort_with_status(validation.to_status(exc))
             return
-        stats = self.engine.stats()
         limit = self.engine_config.scheduler.max_running_requests + self.server_config.max_queued_requests
-        if stats.num_running + stats.num_waiting + len(engine_requests) > limit:
+        if self._outputs_in_flight + len(engine_requests) > limit:
             await context.abort_with_status(validation.resource_exhausted_status(limit))
             return
+        self._outputs_in_flight += len(engine_requests)
+        try:
+            async for msg in self._stream(request, engine_requests, str(default_rid) if default_rid else None, context):
+                yield msg
+        finally:
+            self._outputs_in_flight -= len(engine_requests)
+
+    async def _stream(
+        self, request: generate_pb2.GenerateRequest, engine_requests: list[EngineRequest], default_rid: str | None,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         if default_rid:
             await context.send_initial_metadata((("x-request-id", str(default_rid)),))
         by_id = {r.request_id: r for r in engine_requests}

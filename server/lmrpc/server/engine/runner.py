@@ -46,6 +46,8 @@ class ModelRunner:
         self.dtype: torch.dtype = self.model.kv_dtype
         self.vocab_size = loaded.info.vocab_size
         self.page_size = cache.page_size
+        # The backend first: on CUDA it allocates its workspace, which the pool sizing below must see as used.
+        self.attention = select_backend(self.device)
         layers, kv_heads, head_dim = self.model.kv_shape
         bytes_per_token = layers * 2 * kv_heads * head_dim * self.dtype.itemsize
         if cache.num_tokens is not None:
@@ -58,7 +60,6 @@ class ModelRunner:
         # [layers, k/v, slots, kv_heads, head_dim]; slot = page * page_size + offset
         self.kv_cache = torch.zeros(layers, 2, self.num_pages * self.page_size, kv_heads, head_dim,
                                     dtype=self.dtype, device=self.device)
-        self.attention = select_backend(self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
@@ -70,7 +71,7 @@ class ModelRunner:
             positions.extend(range(c.start, c.start + c.num_tokens))
         meta = build_metadata(
             [(c.start, c.num_tokens, torch.tensor(c.seq.page_table, dtype=torch.int64)) for c in batch.chunks],
-            self.page_size, self.device,
+            self.page_size, self.device, paged_layout=self.device.type == "cuda",  # flashinfer's page layout
         )
         hidden = self.model(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta,

@@ -66,8 +66,11 @@ class DenseLinear(nn.Module):
         w = self.weight
         if x.dtype == w.dtype:
             return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-        # Few rows: the half-precision GEMV (it reads half the bytes); many: up-cast tiles and one float32 GEMM.
-        y = F.linear(x.to(w.dtype), w).to(x.dtype) if x.shape[0] < UPCAST_MIN_ROWS else self._upcast_matmul(x)
+        # Both routes multiply the same half-precision-rounded inputs and accumulate in float32, so a sequence's
+        # numbers barely depend on how many rows share its step. Few rows: the half-precision GEMV (it reads half
+        # the bytes); many: up-cast weight tiles and one float32 GEMM.
+        xh = x.to(w.dtype)
+        y = F.linear(xh, w).to(x.dtype) if x.shape[0] < UPCAST_MIN_ROWS else self._upcast_matmul(xh.to(x.dtype))
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def _upcast_matmul(self, x: torch.Tensor) -> torch.Tensor:
