@@ -1,9 +1,10 @@
 """Structured output with llguidance: compile constraints (cached), fill token bitmasks in one batched call,
 advance matchers with sampled tokens, apply masks to logits with plain torch.
 
-json_schema, regex and ebnf go to llguidance's own front ends. A structural_tag (SGLang's format, below) is
-translated here into a Lark grammar: free text with lazily matched triggers, each forcing one of its structures
-(`begin`, a JSON value of the structure's schema, `end`) before free text resumes.
+json_schema, regex and ebnf go to llguidance's own front ends (a regex as a one-rule Lark grammar). A
+structural_tag (SGLang's format, below) is translated here into a Lark grammar: free text with lazily matched
+triggers, each forcing one of its structures (`begin`, a JSON value of the structure's schema, `end`) before free
+text resumes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, cast
 
 import llguidance
 import llguidance.hf
@@ -27,11 +28,10 @@ if TYPE_CHECKING:
 
 from lmrpc.server.protocol import Constraint, ConstraintKind
 
-# Our constraint kinds -> llguidance.grammar_from formats ("ebnf" takes GBNF `root ::= ...` or Lark).
-# json_schema and structural_tag are built in this module (they take JSON options and triggers).
-GrammarFormat = Literal["regex", "ebnf"]
-_FORMATS: dict[ConstraintKind, GrammarFormat] = {"regex": "regex", "ebnf": "ebnf"}
 _CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
+# A regex's \d and \w are ASCII ([0-9], [0-9a-zA-Z_]), as in JSON-schema patterns, xgrammar and Outlines: left
+# Unicode, "\d{3}" lets a model write digits from any script (it does: U+1FBF8 SEGMENTED DIGIT EIGHT).
+_REGEX_ASCII_CLASSES = "dw"
 
 # json_whitespace_flexible=False: exactly json.dumps' default layout (", " and ": ", nothing else), what xgrammar
 # produces without any_whitespace. llguidance's own rigid mode (",", ":") is a layout models rarely saw in training.
@@ -274,8 +274,14 @@ class GrammarBackend:
         if kind == "structural_tag":
             tag = parse_structural_tag(constraint.text)
             return llguidance.grammar_from("lark", structural_tag_lark(tag, json_options, self._special_tokens))
+        if kind == "regex":
+            text = constraint.text
+            if (len(text) - len(text.rstrip("\\"))) % 2:  # regex_to_lark would silently drop it
+                raise GrammarError(kind, "incomplete escape sequence: the pattern ends with a lone backslash")
+            pattern = llguidance.regex_to_lark(text, _REGEX_ASCII_CLASSES)
+            return llguidance.grammar_from("lark", f"start: /{pattern}/")
         try:
-            return llguidance.grammar_from(_FORMATS[kind], constraint.text)
+            return llguidance.grammar_from("ebnf", constraint.text)  # GBNF (`root ::= ...`) or Lark
         except ValueError as exc:
             raise GrammarError(kind, str(exc)) from exc
 
