@@ -148,6 +148,9 @@ class EngineOutput:
     input_logprobs: tuple[PositionLogprobs, ...] = ()  # prompt logprobs, in the first output only
     finish: Finish | None = None  # set on the last output only
     usage: Usage | None = None  # set on the last output only
+    # time.monotonic() when the engine first scheduled the output (its queue time ends there); None until then,
+    # and on outputs that never reached the model (rejected, aborted while waiting, max_new_tokens == 0)
+    scheduled_at: float | None = None
 
 
 @dataclass(frozen=True)

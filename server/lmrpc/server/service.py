@@ -13,7 +13,9 @@ import grpc
 from lmrpc.server import validation
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.metrics import Metrics
 from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, TokenLogprob
+from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -60,8 +62,12 @@ def _finish_fields(out: EngineOutput, msg: generate_pb2.GenerateResponse) -> Non
 
 
 class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, engine: AsyncEngine | None, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    def __init__(
+        self, engine: AsyncEngine | None, engine_config: EngineConfig, server_config: ServerConfig,
+        metrics: Metrics | None = None,
+    ) -> None:
         self._engine = engine  # None while the model loads: calls get UNAVAILABLE
+        self.metrics = metrics  # None: --metrics-port unset, nothing observed
         self.engine_config = engine_config
         self.server_config = server_config
         self.draining = False  # set on SIGTERM after the drain delay: new calls get UNAVAILABLE
@@ -143,11 +149,30 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        # Metrics, the call's span and the request log see every way a call ends, so the status is decided here.
+        call = CallObserver(self.metrics, rid=",".join(request.rid) or None)
+        status = grpc.StatusCode.UNKNOWN  # an unexpected exception: grpc answers UNKNOWN
+        try:
+            async for msg in self._generate(request, context, call):
+                yield msg
+            status = grpc.StatusCode.OK
+        except (asyncio.CancelledError, GeneratorExit):
+            remaining = context.time_remaining()
+            passed = remaining is not None and remaining <= 0
+            status = grpc.StatusCode.DEADLINE_EXCEEDED if passed else grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            call.end(context.code() or status)  # code() is set by abort / abort_with_status
+
+    async def _generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext, call: CallObserver
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         await self._ready(context)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         metadata = dict(context.invocation_metadata() or ())
         default_rid = metadata.get("x-request-id")
+        call.rid = call.rid or (str(default_rid) if default_rid else None)
         try:
             engine_requests = await self._build(request, str(default_rid) if default_rid else None)
         except validation.RequestError as exc:
@@ -158,21 +183,25 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             await context.abort_with_status(validation.resource_exhausted_status(limit))
             return
         self._outputs_in_flight += len(engine_requests)
+        call.queued(engine_requests)
         try:
-            async for msg in self._stream(request, engine_requests, str(default_rid) if default_rid else None, context):
+            async for msg in self._stream(
+                request, engine_requests, str(default_rid) if default_rid else None, context, call
+            ):
                 yield msg
         finally:
             self._outputs_in_flight -= len(engine_requests)
 
     async def _stream(
         self, request: generate_pb2.GenerateRequest, engine_requests: list[EngineRequest], default_rid: str | None,
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext, call: CallObserver,
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         if default_rid:
             await context.send_initial_metadata((("x-request-id", str(default_rid)),))
         by_id = {r.request_id: r for r in engine_requests}
         merged = {r.request_id: _Merged(r.index, r.rid) for r in engine_requests}
         async for out in self.engine.generate(engine_requests):
+            call.output(out)
             req = by_id[out.request_id]
             if request.stream:
                 msg = generate_pb2.GenerateResponse(

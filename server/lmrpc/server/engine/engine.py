@@ -14,6 +14,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -65,6 +66,9 @@ class LiveRequest:
     pending_tokens: list[int] = field(default_factory=list)  # sampled since the last emit
     pending_logprobs: list[PositionLogprobs] = field(default_factory=list)  # their logprobs
     pending_text: list[str] = field(default_factory=list)  # their text pieces
+    # time.monotonic() when a step first computed this sequence (its admission; kept across preemption): the end
+    # of its queue time, which the service can't see from outside the engine thread
+    scheduled_at: float | None = None
 
     @property
     def request(self) -> EngineRequest:
@@ -165,6 +169,11 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return
+        now = time.monotonic()
+        for chunk in batch.chunks:
+            live = self._live[chunk.seq.request_id]
+            if live.scheduled_at is None:
+                live.scheduled_at = now
         forward = self.runner.forward(batch)
         self.scheduler.on_computed(batch)
         self._record_prompt_logprobs(forward.prompt_logits)
@@ -329,6 +338,7 @@ class Engine:
             input_logprobs=input_logprobs,
             finish=finish,
             usage=_usage(seq) if finish is not None else None,
+            scheduled_at=live.scheduled_at,
         )
         live.pending_tokens, live.pending_text, live.pending_logprobs = [], [], []
         return out
