@@ -6,9 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -19,6 +20,10 @@ from lmrpc.client import Client
 class RunningServer:
     target: str  # host:port
     process: subprocess.Popen[str]  # the server process
+    metrics_target: str | None = None  # host:port of /metrics, when started with --metrics-port
+    # Its output after "ready", read on a thread: the server logs a line per request, and an unread pipe would
+    # fill up and block it.
+    output: list[str] = field(default_factory=list)
 
 
 def start_server(*args: str, timeout: float = 300) -> RunningServer:
@@ -28,10 +33,13 @@ def start_server(*args: str, timeout: float = 300) -> RunningServer:
     )
     assert process.stdout is not None
     target = ""
+    metrics_target: str | None = None
     deadline = time.monotonic() + timeout
     for line in process.stdout:
         if line.startswith("lmrpc-server listening on "):
             target = "127.0.0.1:" + line.rsplit(":", 1)[1].strip()
+        if line.startswith("lmrpc-server metrics on "):
+            metrics_target = "127.0.0.1:" + line.rsplit(":", 1)[1].strip()
         if line.startswith("lmrpc-server ready"):
             break
         if time.monotonic() > deadline:
@@ -39,7 +47,9 @@ def start_server(*args: str, timeout: float = 300) -> RunningServer:
     if not target or process.poll() is not None:
         process.kill()
         raise RuntimeError("lmrpc-server did not start")
-    return RunningServer(target, process)
+    running = RunningServer(target, process, metrics_target)
+    threading.Thread(target=lambda: running.output.extend(process.stdout or ()), daemon=True).start()
+    return running
 
 
 def stop_server(server: RunningServer) -> int:
