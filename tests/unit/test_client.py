@@ -20,8 +20,10 @@ from lmrpc.client import (
     FinishReason,
     LmrpcError,
     ServingStatus,
+    channel_options,
     response_format,
     sampling_params_to_pb,
+    tls,
 )
 from lmrpc.client.convert import build_generate_request
 from lmrpc.v1 import generate_pb2
@@ -239,6 +241,50 @@ async def test_async_stream_early_exit_cancels(server: tuple[str, FakeGenerateSe
             break
         await stream.aclose()
     assert server[1].cancelled.wait(10)
+
+
+
+# --- transport options (TLS itself is exercised in test_transport.py and tests/e2e/test_tls.py) ---------------
+
+def test_tls_checks_its_arguments(tmp_path) -> None:
+    pem = tmp_path / "x.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    assert isinstance(tls(), grpc.ChannelCredentials)  # the system's roots, no client certificate
+    assert isinstance(tls(ca_cert=pem), grpc.ChannelCredentials)
+    with pytest.raises(ValueError, match="client_cert and client_key must be given together"):
+        tls(ca_cert=pem, client_cert=pem)
+    with pytest.raises(ValueError, match="client_key: the bytes given are not PEM"):
+        tls(client_cert=pem, client_key=b"secret")
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello")
+    with pytest.raises(ValueError, match="is not PEM"):
+        tls(ca_cert=not_pem)
+    with pytest.raises(FileNotFoundError):
+        tls(ca_cert=tmp_path / "missing.pem")
+
+
+def test_channel_options() -> None:
+    assert channel_options() == []
+    assert dict(channel_options(keepalive_time=30, keepalive_timeout=5.5, max_message_size=1 << 20)) == {
+        "grpc.keepalive_time_ms": 30_000, "grpc.http2.max_pings_without_data": 0,
+        "grpc.keepalive_permit_without_calls": 0, "grpc.keepalive_timeout_ms": 5_500,
+        "grpc.max_send_message_length": 1 << 20, "grpc.max_receive_message_length": 1 << 20,
+    }
+    assert dict(channel_options(keepalive_time=10, keepalive_without_calls=True))[
+        "grpc.keepalive_permit_without_calls"] == 1
+    for bad in ({"keepalive_time": 0}, {"keepalive_timeout": -1}, {"max_message_size": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            channel_options(**bad)
+
+
+def test_channel_options_override_the_defaults(server: tuple[str, FakeGenerateService]) -> None:
+    with Client(server[0], options=channel_options(max_message_size=64), timeout=10) as c:
+        assert dict(c._options)["grpc.max_receive_message_length"] == 64  # over the 256 MiB default
+        assert dict(c._options)["grpc.initial_reconnect_backoff_ms"] == 200  # other defaults stay
+        with pytest.raises(LmrpcError) as err:
+            c.tokenize("x" * 100)  # the request is over the client's own send limit
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert c.health() is ServingStatus.SERVING
 
 
 def test_client_does_not_import_torch() -> None:

@@ -11,7 +11,7 @@ Needs only grpcio, grpcio-status, grpcio-health-checking and protobuf (no torch)
 
 from __future__ import annotations
 
-from lmrpc.client.client import DEFAULT_TARGET, AsyncClient, Client
+from lmrpc.client.client import DEFAULT_TARGET, AsyncClient, Client, channel_options, tls
 from lmrpc.client.convert import SamplingParamsLike, response_format, sampling_params_to_pb
 from lmrpc.client.errors import FieldViolation, LmrpcError
 from lmrpc.client.results import (
@@ -43,7 +43,9 @@ __all__ = [
     "ServingStatus",
     "TokenLogprob",
     "Usage",
+    "channel_options",
     "merge",
     "response_format",
     "sampling_params_to_pb",
+    "tls",
 ]

@@ -11,12 +11,15 @@ import dataclasses
 import enum
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from lmrpc.client.client import DEFAULT_TARGET, Client
+import grpc
+
+from lmrpc.client.client import DEFAULT_TARGET, Client, tls
 from lmrpc.client.errors import LmrpcError
 from lmrpc.client.results import FinishReason, GenerateDelta, GenerateResult, ServingStatus, merge
 
@@ -27,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command: Callable[[Client, argparse.Namespace], int] = args.command
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        with Client(args.target, credentials=channel_credentials(args), timeout=args.timeout) as client:
             return command(client, args)
     except LmrpcError as e:
         print(f"lmrpc: error: {e}", file=sys.stderr)
@@ -66,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="server address host:port (default: $LMRPC_TARGET or %(default)s)")
     common.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="deadline of each call in seconds; a passed deadline aborts the request (default: none)")
+    secure = common.add_argument_group("TLS (plaintext unless one of these is given)")
+    secure.add_argument("--tls", action="store_true", help="use TLS, trusting the system's root certificates")
+    secure.add_argument("--tls-ca", metavar="PEM", help="use TLS, trusting this CA (bundle) for the server certificate")
+    secure.add_argument("--tls-cert", metavar="PEM",
+                        help="client certificate for mutual TLS (servers run with --tls-client-ca); needs --tls-key")
+    secure.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
 
     parser = argparse.ArgumentParser(prog="lmrpc", description="Command-line client of the lmrpc generation server.")
     sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
@@ -129,6 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     abort.add_argument("--all", action="store_true", help="abort every request")
     abort.set_defaults(command=cmd_abort)
     return parser
+
+
+def channel_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS credentials from the --tls* flags, or None (plaintext) when none is given."""
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    try:
+        return tls(ca_cert=args.tls_ca, client_cert=args.tls_cert, client_key=args.tls_key)
+    except ValueError as e:  # tls() names its parameters; name the flags instead
+        flags = {"ca_cert": "--tls-ca", "client_cert": "--tls-cert", "client_key": "--tls-key"}
+        raise ValueError(re.sub(r"\b(ca_cert|client_cert|client_key)\b", lambda m: flags[m.group(1)], str(e))) from None
 
 
 def unescape(text: str) -> str:
