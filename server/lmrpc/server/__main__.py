@@ -16,7 +16,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default 50051)")
     p.add_argument("--model", default=None,
                    help="local HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights/activations dtype (bfloat16)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights dtype; auto (default): bfloat16 where it runs natively (CUDA, CPUs with "
+                        "AVX512-BF16/AMX), else float32. bfloat16 elsewhere halves memory (float32 activations)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
                    help="unset temperature/top_p/top_k/min_p/repetition_penalty come from the model's "

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SamplingDefaultsSource = Literal["model", "openai"]
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,7 @@ class ModelConfig:
     """Which weights to load and how."""
 
     path: str | None = None  # local HF model directory or GGUF file; None: the embedded SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"  # weights and activations; one of DTYPES
+    dtype: str = "auto"  # one of DTYPES; auto: bfloat16 where matmuls run natively in it, else float32
     device: str = "auto"  # "auto": cuda if available, else cpu
     cache_dir: str | None = None  # converted-model cache; None: $LMRPC_CACHE or ~/.cache/lmrpc
     served_model_name: str | None = None  # name reported by GetModelInfo; None: derived from the path

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2, json_format
@@ -173,7 +174,9 @@ def resolve_sampling(
     c.check(json_whitespace is None or kind in ("json_schema", "structural_tag"), f"{field}.json_whitespace_flexible",
             f"applies only with json_schema or structural_tag, got {kind or 'no constraint'}")
     c.raise_if_any()
-    params: Mapping[str, object] = json_format.MessageToDict(pb.custom_params) if pb.HasField("custom_params") else {}
+    params: Mapping[str, object] = (
+        _whole_numbers_as_ints(json_format.MessageToDict(pb.custom_params)) if pb.HasField("custom_params") else {}
+    )
     return SamplingParams(
         max_new_tokens=min(max_new, max(0, info.max_context_length - prompt_len)),
         min_new_tokens=min_new, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -192,3 +195,14 @@ def resolve_sampling(
 
 def invalid(field: str, description: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, [Violation(field, description)])
+
+
+def _whole_numbers_as_ints(value: Any) -> Any:
+    """google.protobuf.Struct carries every number as a double; processors expect token ids as ints."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_whole_numbers_as_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _whole_numbers_as_ints(v) for k, v in value.items()}
+    return value

@@ -21,6 +21,27 @@ UPCAST_MIN_ROWS = 8
 WORKSPACE_ELEMENTS = 1 << 21  # float32 scratch for up-cast weight tiles: 8 MiB, sized to stay cache-friendly
 
 
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matrix products run natively: CUDA, or an x86 CPU with AVX512-BF16 or AMX."""
+    if device.type != "cpu":
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`--dtype auto` is bfloat16 where it runs natively, else float32: without bf16 instructions a CPU computes
+    bf16 products through per-row conversions whose rounding depends on the route a row takes (batch size,
+    prefix-cache hit), so the same request could decode differently; float32 is exact across routes there."""
+    if name == "auto":
+        return torch.bfloat16 if has_native_bf16(device) else torch.float32
+    return getattr(torch, name)
+
+
 def activation_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype activations are carried in: float32 for half-precision weights on CPU, else the weights'."""
     if device.type == "cpu" and weight_dtype in (torch.bfloat16, torch.float16):

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from lmrpc.server.config import ModelConfig
 from lmrpc.server.models import CausalLM, load_registry
 from lmrpc.server.models.hf_fallback import HFCausalLM
+from lmrpc.server.models.linear import resolve_dtype
 from lmrpc.server.protocol import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(path)
     arch = (hf_config.architectures or ["?"])[0]
     registry = load_registry()
-    dtype = getattr(torch, config.dtype)
     device = pick_device(config)
+    dtype = resolve_dtype(config.dtype, device)
     model: CausalLM
     if arch in registry:
         model = cast(CausalLM, registry[arch](hf_config, _read_weights(path), dtype, device).eval())
@@ -145,7 +146,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         max_context_length=int(hf_config.max_position_embeddings),
         eos_token_ids=_eos_ids(path, hf_config),
         generation_defaults=_generation_defaults(path),
-        dtype=config.dtype,
+        dtype=str(dtype).removeprefix("torch."),
         device=str(device),
     )
     return LoadedModel(model, tokenizer, info)
