@@ -1,11 +1,14 @@
 """Engine throughput next to HF transformers' `generate`, same weights, same dtype, one run.
 
     .venv/bin/python bench/engine.py [--model DIR] [--dtype bfloat16] [--batches 1 8 32] [--prompt-len 128]
-                                     [--new-tokens 128] [--skip-hf]
+                                     [--new-tokens 128] [--skip-hf] [--no-auto]
 
 For each concurrency B it prints decode tok/s (all sequences' generated tokens after the first, over the time
 after the first token) and prefill tok/s, for lmrpc's engine and for HF (greedy, EOS ignored, equal-length random
 prompts so HF needs no padding). Issue 3's target: lmrpc >= 1.5x HF decode throughput at B=1 and B=32.
+
+Both run the same weights in --dtype (bf16 by default). lmrpc is also measured at its default `--dtype auto`
+(float32 on CPUs without bf16 instructions; see server/lmrpc/server/models/linear.py), in extra columns.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import argparse
 import asyncio
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -73,22 +76,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--no-auto", action="store_true", help="skip the extra lmrpc run at --dtype auto")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
 
     model_config = ModelConfig(path=args.model, dtype=args.dtype, device="cpu")
-    engine = AsyncEngine.start(EngineConfig(
-        model=model_config,
-        cache=CacheConfig(num_tokens=max(args.batches) * (args.prompt_len + args.new_tokens) * 2),
-        scheduler=SchedulerConfig(max_running_requests=max(args.batches), max_batched_tokens=2048,
-                                  max_prefill_chunk=2048),
-        sampling_defaults="openai",
-    ))
-    engine.warmup()
-    ours: dict[int, Figures] = {}
-    for b in args.batches:
-        ours[b] = asyncio.run(run_lmrpc(engine, prompts(b, args.prompt_len), args.new_tokens))
-    engine.shutdown()
+    ours = run_engine(model_config, args)
+    auto = {} if args.no_auto else run_engine(replace(model_config, dtype="auto"), args)
 
     hf: dict[int, Figures] = {}
     if not args.skip_hf:
@@ -102,14 +96,34 @@ def main() -> None:
 
     print(f"\nmodel={model_config.path or 'SmolLM2-135M-Instruct (embedded)'} dtype={args.dtype} "
           f"prompt={args.prompt_len} new={args.new_tokens} threads={torch.get_num_threads()}")
-    header = f"{'lmrpc decode':>12} {'HF decode':>10} {'ratio':>6} | {'lmrpc prefill':>13} {'HF prefill':>10}"
+    header = (f"{'lmrpc decode':>12} {'HF decode':>10} {'ratio':>6} | {'lmrpc prefill':>13} {'HF prefill':>10} | "
+              f"{'auto decode':>11} {'ratio':>6} {'auto prefill':>12}")
     print(f"{'batch':>5} | {header}")
     for b in args.batches:
-        o, h = ours[b], hf.get(b)
+        o, h, a = ours[b], hf.get(b), auto.get(b)
         ratio = f"{o.decode_tok_s / h.decode_tok_s:5.2f}x" if h else "   n/a"
         hd = f"{h.decode_tok_s:10.1f}" if h else f"{'-':>10}"
         hp = f"{h.prefill_tok_s:10.1f}" if h else f"{'-':>10}"
-        print(f"{b:>5} | {o.decode_tok_s:12.1f} {hd} {ratio} | {o.prefill_tok_s:13.1f} {hp}")
+        ad = f"{a.decode_tok_s:11.1f}" if a else f"{'-':>11}"
+        ar = f"{a.decode_tok_s / h.decode_tok_s:5.2f}x" if a and h else "   n/a"
+        ap = f"{a.prefill_tok_s:12.1f}" if a else f"{'-':>12}"
+        print(f"{b:>5} | {o.decode_tok_s:12.1f} {hd} {ratio} | {o.prefill_tok_s:13.1f} {hp} | {ad} {ar} {ap}")
+
+
+def run_engine(model_config: ModelConfig, args: argparse.Namespace) -> dict[int, Figures]:
+    engine = AsyncEngine.start(EngineConfig(
+        model=model_config,
+        cache=CacheConfig(num_tokens=max(args.batches) * (args.prompt_len + args.new_tokens) * 2),
+        scheduler=SchedulerConfig(max_running_requests=max(args.batches), max_batched_tokens=2048,
+                                  max_prefill_chunk=2048),
+        sampling_defaults="openai",
+    ))
+    engine.warmup()
+    figures: dict[int, Figures] = {}
+    for b in args.batches:
+        figures[b] = asyncio.run(run_lmrpc(engine, prompts(b, args.prompt_len), args.new_tokens))
+    engine.shutdown()
+    return figures
 
 
 if __name__ == "__main__":
