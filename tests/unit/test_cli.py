@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent import futures
 
+import grpc
 import pytest
 from fake_generate_server import FakeGenerateService, expected_text, running_fake_server
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tls_certs import Pki, make_pki
 
 from lmrpc.client.cli import main
+from lmrpc.server.config import TransportConfig
+from lmrpc.server.transport import add_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,3 +121,35 @@ def test_help_explains_flags(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for flag in ("--max-new-tokens", "--stream", "--temperature", "--json-schema", "--target", "--timeout"):
         assert flag in out
+
+
+@pytest.fixture(scope="module")
+def mtls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pki]]:
+    """A health-only server that requires client certificates of the test CA (bound like lmrpc-server binds)."""
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    config = TransportConfig(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), tls_client_ca=str(pki.ca))
+    port = add_port(server, "127.0.0.1:0", config)  # typed for grpc.aio; a sync server binds the same way
+    server.start()
+    yield f"127.0.0.1:{port}", pki
+    server.stop(grace=None)
+
+
+def test_tls_flags(mtls_server: tuple[str, Pki], capsys: pytest.CaptureFixture[str]) -> None:
+    target, pki = mtls_server
+    client_cert = ["--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+    assert run(capsys, "health", "--target", target, "--tls-ca", str(pki.ca), *client_cert) == (0, "SERVING\n", "")
+    # No client certificate, or none at all (plaintext to a TLS port): the handshake fails.
+    for flags in (["--tls-ca", str(pki.ca)], []):
+        code, _, err = run(capsys, "health", "--target", target, "--timeout", "10", *flags)
+        assert code == 1 and "UNAVAILABLE" in err
+    # Bad usage: exit 2, naming the flag.
+    code, _, err = run(capsys, "health", "--target", target, "--tls-cert", str(pki.client_cert))
+    assert code == 2 and "--tls-cert and --tls-key must be given together" in err
+    code, _, err = run(capsys, "health", "--target", target, "--tls-ca", str(pki.client_key.parent / "none.pem"))
+    assert code == 2 and "none.pem" in err
+    code, _, err = run(capsys, "health", "--target", target, "--tls-ca", __file__)
+    assert code == 2 and "--tls-ca:" in err and "is not PEM" in err

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import re
+import sys
 
 from lmrpc.server.app import serve
-from lmrpc.server.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from lmrpc.server.config import (
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    TransportConfig,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,7 +48,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-delay", type=float, default=1.0,
                    help="seconds between reporting NOT_SERVING and refusing new calls (1)")
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    _add_transport_flags(p)
     return p.parse_args(argv)
+
+
+def _add_transport_flags(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("transport", "TLS, keepalive, connection lifetime and message size")
+    t.add_argument("--tls-cert", metavar="PEM", help="server certificate (chain); with --tls-key, serve TLS only")
+    t.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    t.add_argument("--tls-client-ca", metavar="PEM",
+                   help="mutual TLS: require client certificates signed by this CA (needs --tls-cert/--tls-key)")
+    t.add_argument("--keepalive-time", type=float, metavar="SECONDS",
+                   help="ping a connection after this long without activity (default: gRPC's 2 hours)")
+    t.add_argument("--keepalive-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="close a connection whose ping is not acknowledged within this (20)")
+    t.add_argument("--max-connection-age", type=float, metavar="SECONDS",
+                   help="send GOAWAY to connections older than this, so long-lived HTTP/2 connections "
+                        "reconnect and rebalance across replicas (default: never)")
+    t.add_argument("--max-connection-age-grace", type=float, metavar="SECONDS",
+                   help="after that GOAWAY, in-flight calls get this long before being cut (default: unlimited)")
+    t.add_argument("--max-message-size", type=int, metavar="BYTES",
+                   help="largest message received or sent; bigger ones fail with RESOURCE_EXHAUSTED "
+                        "(default: gRPC's 4 MiB receive, unlimited send)")
+
+
+def transport_config(args: argparse.Namespace) -> TransportConfig:
+    """The transport flags as a TransportConfig; a bad combination or an unreadable PEM exits 2 with the reason."""
+    try:
+        return TransportConfig(
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+            keepalive_time=args.keepalive_time, keepalive_timeout=args.keepalive_timeout,
+            max_connection_age=args.max_connection_age, max_connection_age_grace=args.max_connection_age_grace,
+            max_message_size=args.max_message_size,
+        )
+    except ValueError as e:
+        # The config speaks in field names; the user typed flags (tls_cert -> --tls-cert).
+        names = "|".join(f.name for f in dataclasses.fields(TransportConfig))
+        message = re.sub(rf"\b({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), str(e))
+        print(f"lmrpc-server: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         enable_custom_logit_processor=args.enable_custom_logit_processor,
     )
     server_config = ServerConfig(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
-                                 shutdown_grace=args.shutdown_grace, drain_delay=args.drain_delay)
+                                 shutdown_grace=args.shutdown_grace, drain_delay=args.drain_delay,
+                                 transport=transport_config(args))
     asyncio.run(serve(engine_config, server_config))
 
 

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.engine import AsyncEngine
 from lmrpc.server.service import GenerateService
+from lmrpc.server.transport import add_port, server_options
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=server_options(server_config.transport))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
@@ -29,7 +30,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     # grpc.aio takes no servicer after start, so the service is registered now and gets its engine once loaded.
     service = GenerateService(None, engine_config, server_config)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(service, server)
-    port = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+    port = add_port(server, f"{server_config.host}:{server_config.port}", server_config.transport)
     await server.start()
     print(f"lmrpc-server listening on {server_config.host}:{port}", flush=True)
 

@@ -72,6 +72,60 @@ class EngineConfig:
             raise ValueError("sampling_defaults must be 'model' or 'openai'")
 
 
+# gRPC channel arguments are C ints: durations in ms and sizes in bytes must stay below 2**31.
+_MAX_GRPC_INT = 2**31 - 1
+
+
+def _check_pem(name: str, path: str) -> None:
+    """Fail at startup with the file's name rather than at the first handshake with an opaque SSL error."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+    except OSError as e:
+        raise ValueError(f"{name}: cannot read {path!r}: {e.strerror or e}") from None
+    if b"-----BEGIN " not in head:
+        raise ValueError(f"{name}: {path!r} is not a PEM file")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """TLS, keepalive, connection age and message limits of the listening socket (mapped in transport.py)."""
+
+    tls_cert: str | None = None  # PEM server certificate (chain); with tls_key, the port speaks TLS only
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_client_ca: str | None = None  # PEM CA bundle: mutual TLS, clients must present a certificate it signed
+    keepalive_time: float | None = None  # seconds between the server's pings on a quiet connection; None: 2 h
+    keepalive_timeout: float = 20.0  # seconds to wait for a ping's ack before closing the connection
+    max_connection_age: float | None = None  # seconds before GOAWAY, so clients reconnect (and rebalance)
+    max_connection_age_grace: float | None = None  # seconds in-flight calls get after that GOAWAY; None: no limit
+    max_message_size: int | None = None  # bytes, each message sent and received; None: gRPC's (4 MiB receive)
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None:
+                _check_pem(name, path)
+        for name in ("keepalive_time", "keepalive_timeout", "max_connection_age"):
+            seconds = getattr(self, name)
+            if seconds is not None and not 0.001 <= seconds <= _MAX_GRPC_INT / 1000:
+                raise ValueError(f"{name} must be in [0.001, {_MAX_GRPC_INT // 1000}] seconds, got {seconds}")
+        if self.max_connection_age_grace is not None:
+            if self.max_connection_age is None:
+                raise ValueError("max_connection_age_grace needs max_connection_age")
+            if not 0 <= self.max_connection_age_grace <= _MAX_GRPC_INT / 1000:
+                raise ValueError(f"max_connection_age_grace must be in [0, {_MAX_GRPC_INT // 1000}] seconds")
+        if self.max_message_size is not None and not 1 <= self.max_message_size <= _MAX_GRPC_INT:
+            raise ValueError(f"max_message_size must be in [1, {_MAX_GRPC_INT}] bytes, got {self.max_message_size}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The gRPC front."""
@@ -81,6 +135,7 @@ class ServerConfig:
     max_queued_requests: int = 256  # outputs waiting beyond max_running_requests before RESOURCE_EXHAUSTED
     shutdown_grace: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
     drain_delay: float = 1.0  # seconds between NOT_SERVING and refusing new calls (lets balancers notice)
+    transport: TransportConfig = field(default_factory=TransportConfig)  # TLS, keepalive, limits
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
