@@ -39,6 +39,22 @@ else
   echo "no breaking change against $(git rev-parse --short HEAD~1)"
 fi
 
+# tests/e2e/test_nginx.py puts nginx in front of two replicas. It skips without nginx on a developer's machine,
+# but in CI it must run, so CI installs Debian's nginx-light (a fresh machine has no nginx).
+stage "nginx (for tests/e2e/test_nginx.py)"
+if command -v nginx >/dev/null 2>&1 || [[ -x /usr/sbin/nginx ]]; then
+  echo "found: $(command -v nginx || echo /usr/sbin/nginx)"
+elif [[ -n "${CI:-}" ]]; then
+  SUDO=()
+  if [[ "$(id -u)" -ne 0 ]] && command -v sudo >/dev/null 2>&1; then
+    SUDO=(sudo -n)
+  fi
+  ${SUDO[@]+"${SUDO[@]}"} apt-get update
+  ${SUDO[@]+"${SUDO[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nginx-light
+else
+  echo "skipped: not installed and not in CI (tests/e2e/test_nginx.py will skip; apt-get install nginx-light)"
+fi
+
 stage "pytest -m 'not gpu' (timeout ${PER_TEST_TIMEOUT}s per test)"
 set +e
 "$BIN/pytest" -m "not gpu" --timeout="$PER_TEST_TIMEOUT" -q -rfEs "$@"
