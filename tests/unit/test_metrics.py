@@ -7,12 +7,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from fake_engine import CACHED, NUM_PAGES, FakeEngine, ids_request, make_service, serving
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from test_engine import collect, make_engine, request
 
+from lmrpc.server.__main__ import parse_args
+from lmrpc.server.config import ServerConfig
 from lmrpc.server.metrics import Metrics, MetricsServer, OutputTimeline
 from lmrpc.server.protocol import EngineOutput, EngineStats, Finish, FinishReason, SamplingParams, Usage
 
@@ -101,3 +104,12 @@ async def test_engine_stamps_when_an_output_was_first_scheduled(tiny_llama_dir: 
     [stamp] = stamps
     assert stamp is not None and before <= stamp <= time.monotonic()
     assert [o.scheduled_at for o in outputs["skip"]] == [None]  # never reached the model
+
+
+def test_metrics_port_flag_and_config() -> None:
+    assert parse_args([]).metrics_port is None  # off unless asked
+    args = parse_args(["--metrics-port", "0", "--log-format", "json"])
+    assert (args.metrics_port, args.log_format) == (0, "json")
+    assert ServerConfig(metrics_port=0).metrics_port == 0
+    with pytest.raises(ValueError, match="metrics_port"):
+        ServerConfig(metrics_port=70000)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import re
 import sys
 
@@ -19,6 +18,7 @@ from lmrpc.server.config import (
     ServerConfig,
     TransportConfig,
 )
+from lmrpc.server.telemetry import LOG_FORMATS, configure_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-delay", type=float, default=1.0,
                    help="seconds between reporting NOT_SERVING and refusing new calls (1)")
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="log lines as text or one JSON object each; either way, every finished output gets a "
+                        "line on logger lmrpc.server.requests (tokens, timings, finish reason, gRPC status) (text)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port (default: off). "
+                        "Traces: set the standard OTEL_* variables (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)")
     _add_transport_flags(p)
     return p.parse_args(argv)
 
@@ -91,7 +97,7 @@ def transport_config(args: argparse.Namespace) -> TransportConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     engine_config = EngineConfig(
         model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device),
         cache=CacheConfig(page_size=args.page_size, num_tokens=args.kv_cache_tokens),
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     server_config = ServerConfig(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
                                  shutdown_grace=args.shutdown_grace, drain_delay=args.drain_delay,
-                                 transport=transport_config(args))
+                                 transport=transport_config(args), metrics_port=args.metrics_port)
     asyncio.run(serve(engine_config, server_config))
 
 

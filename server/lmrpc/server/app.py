@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 import grpc
@@ -12,7 +13,9 @@ from grpc_reflection.v1alpha import reflection
 
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.metrics import Metrics, MetricsServer
 from lmrpc.server.service import GenerateService
+from lmrpc.server.telemetry import configure_tracing
 from lmrpc.server.transport import add_port, server_options
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
@@ -21,23 +24,32 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    server = grpc.aio.server(options=server_options(server_config.transport))
+    tracing = configure_tracing(os.environ)  # None unless OTEL_* variables ask for traces (then no interceptor)
+    server = grpc.aio.server(options=server_options(server_config.transport),
+                             interceptors=tracing.interceptors if tracing is not None else ())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     # grpc.aio takes no servicer after start, so the service is registered now and gets its engine once loaded.
-    service = GenerateService(None, engine_config, server_config)
+    metrics = Metrics() if server_config.metrics_port is not None else None
+    service = GenerateService(None, engine_config, server_config, metrics)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(service, server)
     port = add_port(server, f"{server_config.host}:{server_config.port}", server_config.transport)
     await server.start()
     print(f"lmrpc-server listening on {server_config.host}:{port}", flush=True)
+    metrics_server = None
+    if metrics is not None and server_config.metrics_port is not None:
+        metrics_server = MetricsServer.start(metrics.registry, server_config.host, server_config.metrics_port)
+        print(f"lmrpc-server metrics on {server_config.host}:{metrics_server.port}", flush=True)
 
     # Probes answer NOT_SERVING while the model loads and warms up, off the event loop.
     engine = await asyncio.to_thread(AsyncEngine.start, engine_config)
     await asyncio.to_thread(engine.warmup)
     service.attach(engine)
+    if metrics is not None:
+        metrics.attach(engine.stats)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     print("lmrpc-server ready", flush=True)
@@ -54,3 +66,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     service.draining = True
     await server.stop(grace=server_config.shutdown_grace)  # in-flight streams get the grace period
     engine.shutdown()
+    if metrics_server is not None:
+        metrics_server.stop()
+    if tracing is not None:
+        tracing.shutdown()  # flushes the spans still queued

@@ -136,10 +136,13 @@ class ServerConfig:
     shutdown_grace: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
     drain_delay: float = 1.0  # seconds between NOT_SERVING and refusing new calls (lets balancers notice)
     transport: TransportConfig = field(default_factory=TransportConfig)  # TLS, keepalive, limits
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP on host:metrics_port (0: a free one); None: off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be in [0, 65535]")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be in [0, 65535]")
         if self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
         if self.shutdown_grace < 0 or self.drain_delay < 0:
