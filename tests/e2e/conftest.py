@@ -63,7 +63,7 @@ def stop_server(server: RunningServer) -> int:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
-    running = start_server("--enable-custom-logit-processor", "--sampling-defaults", "openai")
+    running = start_server("--enable-custom-logit-processor", "--sampling-defaults", "openai", "--metrics-port", "0")
     yield running
     assert stop_server(running) == 0
 
