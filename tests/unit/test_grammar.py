@@ -196,6 +196,19 @@ def test_structural_tag_bad_calls_are_rejected(backend: GrammarBackend, smollm2_
     assert not accepts(backend, smollm2_tokenizer, tag, text)
 
 
+def test_structural_tag_schema_forms(backend: GrammarBackend, smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+    """A schema may come as JSON text or as `true`, like SGLang's dicts; a begin may start with any trigger."""
+    tag = Constraint("structural_tag", json.dumps({
+        "structures": [{"begin": "<f=n>", "schema": json.dumps({"type": "integer"}), "end": "</f>"},
+                       {"begin": "<f=any>", "schema": True, "end": "</f>"},
+                       {"begin": "[[x", "schema": {"enum": ["a"]}, "end": "]]"}],
+        "triggers": ["<f=", "[["],
+    }))
+    assert accepts(backend, smollm2_tokenizer, tag, 'a <f=n>42</f> b <f=any>[1, "x"]</f> c [[x"a"]] d')
+    assert not accepts(backend, smollm2_tokenizer, tag, "a <f=n>4.5</f>")
+    assert not accepts(backend, smollm2_tokenizer, tag, 'a [[x"b"]]')
+
+
 def test_structural_tag_unfinished_call_is_not_complete(backend: GrammarBackend,
                                                         smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
     tag = Constraint("structural_tag", json.dumps(TOOLS_TAG))
@@ -227,6 +240,9 @@ def test_structural_tag_json_whitespace_option_reaches_the_schemas(
     assert accepts(backend, smollm2_tokenizer, Constraint("structural_tag", text), loose)
     assert not accepts(backend, smollm2_tokenizer, Constraint("structural_tag", text, False), loose)
     assert accepts(backend, smollm2_tokenizer, Constraint("structural_tag", text, False), tight)
+    odd = json.dumps({"structures": [{"begin": "<f>", "schema": {"x-guidance": "junk"}, "end": ""}],
+                      "triggers": ["<f"]})
+    assert backend.check(Constraint("structural_tag", odd, False)) is None  # the option replaces a malformed one
 
 
 STRUCTURE = {"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}
@@ -242,6 +258,8 @@ STRUCTURE = {"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}
     (json.dumps({"structures": [{**STRUCTURE, "begin": "<g>"}], "triggers": ["<f="]}), "starts with none of"),
     (json.dumps({"structures": [STRUCTURE], "triggers": ["<f=", "<h"]}), "starts no structure's begin"),
     (json.dumps({"structures": [{**STRUCTURE, "schema": 3}], "triggers": ["<f="]}), "schema must be"),
+    (json.dumps({"structures": [{**STRUCTURE, "schema": False}], "triggers": ["<f="]}), "nothing matches"),
+    (json.dumps({"structures": [{**STRUCTURE, "schema": "{nope"}], "triggers": ["<f="]}), "schema is not valid JSON"),
     (json.dumps({"structures": [{**STRUCTURE, "end": None}], "triggers": ["<f="]}), "end must be a string"),
     (json.dumps({"structures": [{**STRUCTURE, "schema": {"type": "objekt"}}], "triggers": ["<f="]}), "objekt"),
     (json.dumps({"structures": [STRUCTURE], "triggers": ["<f="], "extra": 1}), "unknown key"),
@@ -274,6 +292,9 @@ def test_json_whitespace_flexible_option(backend: GrammarBackend, smollm2_tokeni
     assert accepts(backend, smollm2_tokenizer, json_constraint(own, True), loose)
     # The option is part of the cache key.
     assert backend.compile(json_constraint(schema, False)) != backend.compile(json_constraint(schema, True))
+    # The schema `true` (anything) takes the option too.
+    assert accepts(backend, smollm2_tokenizer, Constraint("json_schema", "true", False), dumps)
+    assert not accepts(backend, smollm2_tokenizer, Constraint("json_schema", "true", False), loose)
 
 
 def test_regex_digit_and_word_classes_are_ascii(backend: GrammarBackend,
@@ -293,6 +314,7 @@ def test_regex_digit_and_word_classes_are_ascii(backend: GrammarBackend,
     ("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}', "/nope"),
     ("json_schema", "{not json", "not valid JSON"),
     ("json_schema", "[1, 2]", "a JSON schema is an object"),
+    ("json_schema", "false", "nothing matches"),
     ("json_schema", '{"type": "string", "pattern": "(a"}', "unclosed group"),
     ("regex", "(abc", "unclosed group"),
     ("regex", "a{2,1}", "invalid repetition count"),

@@ -153,7 +153,11 @@ def _parse_structure(index: int, raw: object, triggers: tuple[str, ...]) -> TagS
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise GrammarError("structural_tag", f"{where}.schema is not valid JSON: {exc}") from exc
-    if not isinstance(schema, (dict, bool)):
+    if schema is False:
+        raise GrammarError("structural_tag", f"{where}.schema is false: nothing matches it")
+    if schema is True:
+        schema = {}  # the same schema (anything), in the object form %json takes
+    if not isinstance(schema, dict):
         raise GrammarError("structural_tag", f"{where}.schema must be a JSON schema (an object)")
     if not any(begin.startswith(t) for t in triggers):
         raise GrammarError("structural_tag", f"{where}.begin {begin!r} starts with none of the triggers")
@@ -182,9 +186,10 @@ def structural_tag_lark(tag: StructuralTag, json_options: JsonCompileOptions | N
         for s in tag.structures:
             if not s.begin.startswith(trigger):
                 continue
-            schema = json.loads(s.schema)
-            if json_options is not None and isinstance(schema, dict):
-                schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **json_options}}
+            schema = json.loads(s.schema)  # an object: _parse_structure made sure
+            if json_options is not None:  # the request's option beats the schema's own, as for json_schema
+                own = schema.get("x-guidance")
+                schema = {**schema, "x-guidance": {**(own if isinstance(own, dict) else {}), **json_options}}
             parts = [_lark_text(s.begin[len(trigger):], special_tokens), "%json " + json.dumps(schema),
                      _lark_text(s.end, special_tokens)]
             bodies.append(" ".join(p for p in parts if p))
@@ -264,11 +269,15 @@ class GrammarBackend:
                 schema = json.loads(constraint.text)
             except json.JSONDecodeError as exc:
                 raise GrammarError(kind, f"not valid JSON: {exc}") from exc
-            if not isinstance(schema, (dict, bool)):
+            if schema is False:
+                raise GrammarError(kind, "the schema is false: nothing matches it")
+            if schema is True:
+                schema = {}  # the same schema (anything), in the object form llguidance applies options to
+            if not isinstance(schema, dict):
                 raise GrammarError(kind, f"a JSON schema is an object, got {type(schema).__name__}")
             try:
                 # overrides: an explicit request option beats the schema's own "x-guidance"
-                return llguidance.LLMatcher.grammar_from_json_schema(constraint.text, overrides=json_options)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options)
             except ValueError as exc:
                 raise GrammarError(kind, str(exc)) from exc
         if kind == "structural_tag":
