@@ -55,6 +55,16 @@ else
   echo "skipped: not installed and not in CI (tests/e2e/test_nginx.py will skip; apt-get install nginx-light)"
 fi
 
+# pytest imports test files by basename (tests import helpers such as fake_engine as top-level modules), so two
+# test files of one name in different folders break collection of the whole run: say which, before pytest does.
+stage "test file names are unique"
+dupes="$(find tests -name 'test_*.py' -not -path '*/node_modules/*' -printf '%f\n' | sort | uniq -d)"
+if [[ -n "$dupes" ]]; then
+  echo "test.sh: FAILED: test files share a name (rename one): $dupes" >&2
+  exit 1
+fi
+echo "ok"
+
 stage "pytest -m 'not gpu' (timeout ${PER_TEST_TIMEOUT}s per test)"
 set +e
 "$BIN/pytest" -m "not gpu" --timeout="$PER_TEST_TIMEOUT" -q -rfEs "$@"
