@@ -229,3 +229,9 @@ async def test_prompt_logprobs_and_scoring(engine: AsyncEngine) -> None:
     for a, b in zip(later, entries[k:], strict=True):
         assert a.chosen.token_id == b.chosen.token_id
         assert a.chosen.logprob == pytest.approx(b.chosen.logprob, abs=1e-4)
+
+
+def test_a_load_failure_is_raised_by_start(tmp_path: Path) -> None:
+    """The engine thread loads the model; a failure there reaches the caller of start() instead of hanging it."""
+    with pytest.raises(FileNotFoundError, match="HF model directory or a .gguf file"):
+        make_engine(tmp_path / "no-such-model")

@@ -382,24 +382,45 @@ def _final(request: EngineRequest, finish: Finish, seq: Sequence) -> EngineOutpu
 class AsyncEngine:
     """The asyncio face of the engine: implements protocol.EngineClient; the loop runs on a daemon thread."""
 
-    def __init__(self, engine: Engine, processors: ProcessorRegistry, grammar: GrammarBackend) -> None:
+    def __init__(self, engine: Engine, thread: threading.Thread) -> None:
         self._engine = engine
+        self._thread = thread  # runs engine.run_forever
         self.model_info: ModelInfo = engine.info
         self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
-        self.processors = processors
-        self.grammar = grammar
+        self.processors = engine.processors
+        self.grammar = engine.grammar
         self._ids_by_rid: dict[str, set[str]] = {}  # event-loop side: live request ids per user rid
         self._serial = itertools.count()
-        self._thread = threading.Thread(target=engine.run_forever, name="lmrpc-engine", daemon=True)
-        self._thread.start()
 
     @classmethod
     def start(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model and start the engine thread (blocking: call it off the event loop)."""
-        loaded = load_model(config.model)
-        processors = ProcessorRegistry.load()
-        grammar = GrammarBackend(loaded.tokenizer, loaded.info.vocab_size)
-        return cls(Engine(loaded, config, processors, grammar), processors, grammar)
+        """Start the engine thread, which loads the model and then loops; return once it is loaded (blocking: call
+        it off the event loop). A load failure is raised here.
+
+        The model is loaded on the engine thread, not here, so that one thread does all of torch's work: torch's
+        CPU kernels run on an OpenMP pool owned by the thread that calls them, and a second pool left by another
+        thread contends for the same cores (measured on 2 cores: one pass over SmolLM2's layer matrices took
+        about 1.3x longer on a second torch thread than on the only one).
+        """
+        built: queue.SimpleQueue[Engine | BaseException] = queue.SimpleQueue()
+
+        def main() -> None:
+            try:
+                loaded = load_model(config.model)
+                engine = Engine(loaded, config, ProcessorRegistry.load(),
+                                GrammarBackend(loaded.tokenizer, loaded.info.vocab_size))
+            except BaseException as exc:  # noqa: BLE001 (not swallowed: start() raises it in the caller)
+                built.put(exc)
+                return
+            built.put(engine)
+            engine.run_forever()
+
+        thread = threading.Thread(target=main, name="lmrpc-engine", daemon=True)
+        thread.start()
+        result = built.get()
+        if isinstance(result, BaseException):
+            raise result
+        return cls(result, thread)
 
     @property
     def engine(self) -> Engine:
