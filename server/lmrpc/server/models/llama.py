@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         # Matrices are stored in `dtype`; activations, norms and RoPE tables in `act` (see linear.py).
         self.act = act = activation_dtype(dtype, device)
         w = {name.removeprefix("model."): t.to(dtype) for name, t in weights.items()}
-        workspace = Workspace()
+        workspace = Workspace.for_device(device, dtype)
         self.embed = nn.Embedding.from_pretrained(w["embed_tokens.weight"], freeze=True)
         self.layers = nn.ModuleList(self._layer(shape, w, i, act, workspace) for i in range(shape.layers))
         self.norm = RMSNorm(shape.hidden, shape.eps)
