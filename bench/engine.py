@@ -1,30 +1,32 @@
 """Engine throughput next to HF transformers' `generate`, same weights, same dtype, one run.
 
     .venv/bin/python bench/engine.py [--model DIR] [--dtype bfloat16] [--batches 1 8 32] [--prompt-len 128]
-                                     [--new-tokens 128] [--skip-hf] [--no-auto]
+                                     [--new-tokens 128] [--repeats 3] [--skip-hf] [--no-auto]
 
 For each concurrency B it prints decode tok/s (all sequences' generated tokens after the first, over the time
 after the first token) and prefill tok/s, for lmrpc's engine and for HF (greedy, EOS ignored, equal-length random
-prompts so HF needs no padding). Issue 3's target: lmrpc >= 1.5x HF decode throughput at B=1 and B=32.
+prompts so HF needs no padding). Each figure is the median of --repeats runs. Issue 3's target: lmrpc >= 1.5x HF
+decode throughput at B=1 and B=32.
 
-Both run the same weights in --dtype (bf16 by default). lmrpc is also measured at its default `--dtype auto`
-(float32 on CPUs without bf16 instructions; see server/lmrpc/server/models/linear.py), in extra columns.
+Each system is measured in a fresh process of its own (this script re-runs itself with --worker): torch's CPU
+kernels run on an OpenMP pool per calling thread, and a pool left behind by the other system would slow the
+second one measured. Both run the same weights in --dtype (bf16 by default). lmrpc is also measured at its
+default `--dtype auto` (bfloat16 where the CPU has bf16 instructions, else float32), in extra columns.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import statistics
+import subprocess
+import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
-
-from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from lmrpc.server.engine.engine import AsyncEngine
-from lmrpc.server.models.loader import resolve_model_path
-from lmrpc.server.protocol import EngineRequest, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -38,34 +40,89 @@ def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(batch)]
 
 
-async def run_lmrpc(engine: AsyncEngine, batch: list[list[int]], new_tokens: int) -> Figures:
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [EngineRequest(f"b{i}-{time.monotonic_ns()}", f"b{i}", i, tuple(p), params) for i, p in enumerate(batch)]
-    first: dict[str, float] = {}
-    start = time.perf_counter()
-    async for out in engine.generate(reqs):
-        if out.token_ids and out.request_id not in first:
-            first[out.request_id] = time.perf_counter()
-    end = time.perf_counter()
-    t_first = max(first.values()) - start
-    prompt_tokens = sum(len(p) for p in batch)
-    return Figures(prompt_tokens / t_first, len(batch) * (new_tokens - 1) / (end - start - t_first))
+def median(runs: list[Figures]) -> Figures:
+    return Figures(statistics.median(r.prefill_tok_s for r in runs), statistics.median(r.decode_tok_s for r in runs))
 
 
-def run_hf(model: torch.nn.Module, batch: list[list[int]], new_tokens: int) -> Figures:
-    ids = torch.tensor(batch)
-    mask = torch.ones_like(ids)
+# ---- workers (one system per process) ------------------------------------------------------------------------
 
-    def gen(n: int) -> float:
+
+def lmrpc_worker(args: argparse.Namespace, dtype: str) -> dict[int, Figures]:
+    from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from lmrpc.server.engine.engine import AsyncEngine
+    from lmrpc.server.protocol import EngineRequest, SamplingParams
+
+    engine = AsyncEngine.start(EngineConfig(
+        model=ModelConfig(path=args.model, dtype=dtype, device="cpu"),
+        # no prefix cache: every run computes its prompts afresh, as HF does
+        cache=CacheConfig(num_tokens=max(args.batches) * (args.prompt_len + args.new_tokens) * 2,
+                          enable_prefix_cache=False),
+        scheduler=SchedulerConfig(max_running_requests=max(args.batches), max_batched_tokens=2048,
+                                  max_prefill_chunk=2048),
+        sampling_defaults="openai",
+    ))
+    engine.warmup()
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def run(batch: list[list[int]]) -> Figures:
+        reqs = [EngineRequest(f"b{i}-{time.monotonic_ns()}", f"b{i}", i, tuple(p), params)
+                for i, p in enumerate(batch)]
+        first: dict[str, float] = {}
+        start = time.perf_counter()
+        async for out in engine.generate(reqs):
+            if out.token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter()
+        end = time.perf_counter()
+        t_first = max(first.values()) - start
+        prompt_tokens = sum(len(p) for p in batch)
+        return Figures(prompt_tokens / t_first, len(batch) * (args.new_tokens - 1) / (end - start - t_first))
+
+    figures = {b: median([asyncio.run(run(prompts(b, args.prompt_len, seed=r))) for r in range(args.repeats)])
+               for b in args.batches}
+    engine.shutdown()
+    return figures
+
+
+def hf_worker(args: argparse.Namespace, dtype: str) -> dict[int, Figures]:
+    from transformers import AutoModelForCausalLM
+
+    from lmrpc.server.config import ModelConfig
+    from lmrpc.server.models.loader import resolve_model_path
+
+    path = resolve_model_path(ModelConfig(path=args.model))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+
+    def gen(batch: list[list[int]], n: int) -> float:
+        ids = torch.tensor(batch)
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=0)
         return time.perf_counter() - start
 
-    t_first = gen(1)
-    t_all = gen(new_tokens)
-    return Figures(ids.numel() / t_first, len(batch) * (new_tokens - 1) / max(t_all - t_first, 1e-9))
+    def run(batch: list[list[int]]) -> Figures:
+        t_first = gen(batch, 1)
+        t_all = gen(batch, args.new_tokens)
+        return Figures(len(batch) * len(batch[0]) / t_first,
+                       len(batch) * (args.new_tokens - 1) / max(t_all - t_first, 1e-9))
+
+    gen(prompts(1, 8), 4)  # warm-up
+    return {b: median([run(prompts(b, args.prompt_len, seed=r)) for r in range(args.repeats)])
+            for b in args.batches}
+
+
+WORKERS = {"lmrpc": lmrpc_worker, "hf": hf_worker}
+
+
+def measure(system: str, dtype: str, argv: list[str]) -> dict[int, Figures]:
+    """Run one system in a fresh process and read its figures (JSON on the last line of its output)."""
+    proc = subprocess.run([sys.executable, __file__, *argv, "--worker", system, "--worker-dtype", dtype],
+                          stdout=subprocess.PIPE, text=True, check=True)
+    raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {int(b): Figures(**f) for b, f in raw.items()}
+
+
+# ---- the table -----------------------------------------------------------------------------------------------
 
 
 def main() -> None:
@@ -75,27 +132,24 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is printed")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--no-auto", action="store_true", help="skip the extra lmrpc run at --dtype auto")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    if args.worker:
+        figures = WORKERS[args.worker](args, args.worker_dtype)
+        print(json.dumps({b: asdict(f) for b, f in figures.items()}))
+        return
 
-    model_config = ModelConfig(path=args.model, dtype=args.dtype, device="cpu")
-    ours = run_engine(model_config, args)
-    auto = {} if args.no_auto else run_engine(replace(model_config, dtype="auto"), args)
+    argv = sys.argv[1:]
+    ours = measure("lmrpc", args.dtype, argv)
+    auto = {} if args.no_auto else measure("lmrpc", "auto", argv)
+    hf = {} if args.skip_hf else measure("hf", args.dtype, argv)
 
-    hf: dict[int, Figures] = {}
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-
-        path = resolve_model_path(model_config)
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-        run_hf(hf_model, prompts(1, 8), 4)  # warm-up
-        for b in args.batches:
-            hf[b] = run_hf(hf_model, prompts(b, args.prompt_len), args.new_tokens)
-
-    print(f"\nmodel={model_config.path or 'SmolLM2-135M-Instruct (embedded)'} dtype={args.dtype} "
-          f"prompt={args.prompt_len} new={args.new_tokens} threads={torch.get_num_threads()}")
+    print(f"\nmodel={args.model or 'SmolLM2-135M-Instruct (embedded)'} dtype={args.dtype} prompt={args.prompt_len} "
+          f"new={args.new_tokens} threads={torch.get_num_threads()} median of {args.repeats}")
     header = (f"{'lmrpc decode':>12} {'HF decode':>10} {'ratio':>6} | {'lmrpc prefill':>13} {'HF prefill':>10} | "
               f"{'auto decode':>11} {'ratio':>6} {'auto prefill':>12}")
     print(f"{'batch':>5} | {header}")
@@ -108,22 +162,6 @@ def main() -> None:
         ar = f"{a.decode_tok_s / h.decode_tok_s:5.2f}x" if a and h else "   n/a"
         ap = f"{a.prefill_tok_s:12.1f}" if a else f"{'-':>12}"
         print(f"{b:>5} | {o.decode_tok_s:12.1f} {hd} {ratio} | {o.prefill_tok_s:13.1f} {hp} | {ad} {ar} {ap}")
-
-
-def run_engine(model_config: ModelConfig, args: argparse.Namespace) -> dict[int, Figures]:
-    engine = AsyncEngine.start(EngineConfig(
-        model=model_config,
-        cache=CacheConfig(num_tokens=max(args.batches) * (args.prompt_len + args.new_tokens) * 2),
-        scheduler=SchedulerConfig(max_running_requests=max(args.batches), max_batched_tokens=2048,
-                                  max_prefill_chunk=2048),
-        sampling_defaults="openai",
-    ))
-    engine.warmup()
-    figures: dict[int, Figures] = {}
-    for b in args.batches:
-        figures[b] = asyncio.run(run_lmrpc(engine, prompts(b, args.prompt_len), args.new_tokens))
-    engine.shutdown()
-    return figures
 
 
 if __name__ == "__main__":
