@@ -233,5 +233,5 @@ async def test_prompt_logprobs_and_scoring(engine: AsyncEngine) -> None:
 
 def test_a_load_failure_is_raised_by_start(tmp_path: Path) -> None:
     """The engine thread loads the model; a failure there reaches the caller of start() instead of hanging it."""
-    with pytest.raises(FileNotFoundError, match="HF model directory or a .gguf file"):
+    with pytest.raises(FileNotFoundError, match=r"HF model directory or a \.gguf file"):
         make_engine(tmp_path / "no-such-model")

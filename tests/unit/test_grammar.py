@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.engine import AsyncEngine
-from lmrpc.server.engine.grammar import GrammarBackend, GrammarError, GrammarMatcher
+from lmrpc.server.engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, MaskFiller
 from lmrpc.server.protocol import Constraint, ConstraintKind, EngineRequest, Finish, FinishReason, SamplingParams
 
 VOCAB = 49152
@@ -584,3 +584,24 @@ async def test_forty_concurrent_half_constrained(real_engine: AsyncEngine,
             assert _dumps_layout(result.text), result.text
         else:
             assert re.fullmatch(check, result.text, re.ASCII), result.text
+
+
+def test_mask_filler_fills_constrained_rows_off_thread(backend: GrammarBackend,
+                                                       smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+    filler = MaskFiller(backend)
+    try:
+        assert filler.start([None, None]).wait() is None  # nothing constrained: no masks at all
+        yes_no = backend.new_matcher(Constraint("regex", "(yes|no)"))
+        digit = backend.new_matcher(Constraint("regex", "[0-9]"))
+        masks = filler.start([yes_no, None, digit]).wait()
+        assert masks is not None and masks.shape == (3, (VOCAB + 31) // 32)
+        allowed = [{t for t in range(VOCAB) if masks[r, t // 32] >> (t % 32) & 1} for r in range(3)]
+        assert len(allowed[1]) == VOCAB  # the unconstrained row allows everything
+        assert smollm2_tokenizer.encode("yes", add_special_tokens=False)[0] in allowed[0]
+        assert all(smollm2_tokenizer.decode([t]).strip() in "0123456789" for t in allowed[2])
+        assert 0 < len(allowed[0]) < 100 and 0 < len(allowed[2]) < 100
+        # The buffer is reused: a later fill of fewer rows starts from all-allowed again.
+        again = filler.start([None, digit]).wait()
+        assert again is not None and bool((again[0] == -1).all())
+    finally:
+        filler.shutdown()

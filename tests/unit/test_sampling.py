@@ -307,3 +307,11 @@ def test_filter_matches_the_full_sort_definition(scale: float) -> None:
         want = _reference_keep(logits[r], int(ks[r]), float(ps[r]), float(mins[r]))
         # Float rounding may flip a token sitting exactly on the top_p boundary; nothing else may differ.
         assert len(got ^ want) <= 1, (r, len(got), len(want))
+
+
+def test_bitmask_disallows_columns_past_its_width() -> None:
+    """A model's padded vocabulary is wider than the tokenizer's mask: the extra columns are never allowed."""
+    logits = torch.randn(2, 100)  # the mask below covers 3 words = 96 ids
+    apply_bitmask(logits, torch.tensor([1]), _pack([[0, 95]], 96))
+    assert torch.isfinite(logits[1]).nonzero().squeeze(1).tolist() == [0, 95]
+    assert torch.isfinite(logits[0]).all()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from lmrpc.server.config import EngineConfig
 from lmrpc.server.engine.detokenizer import OutputProcessor, decode_token
-from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher
+from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
 from lmrpc.server.engine.kv_cache import KVCacheManager
 from lmrpc.server.engine.runner import ForwardOutput, ModelRunner, PromptLogits
 from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
@@ -116,7 +116,7 @@ class Engine:
         self._eos = frozenset(self.info.eos_token_ids)
         self._live: dict[str, LiveRequest] = {}
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._bitmask: torch.Tensor | None = None  # [max_batch, words] reused across steps
+        self.masks = MaskFiller(grammar)  # grammar bitmasks, filled while the model runs
 
     @property
     def kv(self) -> KVCacheManager:
@@ -130,11 +130,14 @@ class Engine:
     # ---- the loop (engine thread) ----------------------------------------------------------------------------
 
     def run_forever(self) -> None:
-        while True:
-            if not self._drain_inbox(block=not self.scheduler.has_work):
-                return
-            if self.scheduler.has_work:
-                self._guarded_step()
+        try:
+            while True:
+                if not self._drain_inbox(block=not self.scheduler.has_work):
+                    return
+                if self.scheduler.has_work:
+                    self._guarded_step()
+        finally:
+            self.masks.shutdown()
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued commands; block for the first one when idle. False once told to stop."""
@@ -165,23 +168,30 @@ class Engine:
                 self._finish(live, Finish(FinishReason.ERROR, message=f"engine step failed: {exc!r}"))
 
     def step(self) -> None:
-        """One iteration: schedule, forward, sample, update, emit."""
+        """One iteration: schedule, forward (grammar masks fill meanwhile), sample, update, emit."""
         batch = self.scheduler.schedule()
         if batch.empty:
             return
+        self._stamp_scheduled(batch)
+        sampling = self._sampling_lives(batch)
+        pending = self.masks.start([live.grammar for live in sampling])
+        try:
+            forward = self.runner.forward(batch)
+        finally:
+            masks = pending.wait()  # [rows, words] or None; waited for even if the forward failed
+        self.scheduler.on_computed(batch)
+        self._record_prompt_logprobs(forward.prompt_logits)
+        results = self._sample(sampling, forward, masks)
+        for live, result in zip(sampling, results, strict=True):
+            self._update(live, result)
+        self._emit(sampling)
+
+    def _stamp_scheduled(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
         for chunk in batch.chunks:
             live = self._live[chunk.seq.request_id]
             if live.scheduled_at is None:
                 live.scheduled_at = now
-        forward = self.runner.forward(batch)
-        self.scheduler.on_computed(batch)
-        self._record_prompt_logprobs(forward.prompt_logits)
-        sampling = self._sampling_lives(batch)
-        results = self._sample(sampling, forward)
-        for live, result in zip(sampling, results, strict=True):
-            self._update(live, result)
-        self._emit(live for live in sampling)
 
     # ---- admission and abort ---------------------------------------------------------------------------------
 
@@ -251,41 +261,29 @@ class Engine:
         """The live requests whose chunk produced next-token logits, in ForwardOutput.logits row order."""
         return [self._live[c.seq.request_id] for c in batch.chunks if c.samples]
 
-    def _sample(self, lives: list[LiveRequest], forward: ForwardOutput) -> list[SampleResultRow | None]:
-        """Sample the next token of each generating row; prompt-scoring rows (max_new_tokens == 0) get None."""
+    def _sample(self, lives: list[LiveRequest], forward: ForwardOutput,
+                masks: torch.Tensor | None) -> list[SampleResultRow | None]:
+        """Sample the next token of each generating row; prompt-scoring rows (max_new_tokens == 0) get None.
+        masks: [len(lives), words] allowed-token bits, row i for lives[i] (None: no row is constrained)."""
         keep = [i for i, live in enumerate(lives) if live.request.params.max_new_tokens > 0]
         results: list[SampleResultRow | None] = [None] * len(lives)
         if not keep:
             return results
         logits = forward.logits if len(keep) == len(lives) else forward.logits[keep]  # [rows, vocab]
-        masks = self._grammar_bitmasks([lives[i] for i in keep])
+        if masks is not None:
+            masks = masks.to(self.runner.device)
         rows = [
             SamplingRow(
                 state=lives[i].sampling,
                 num_output_tokens=lives[i].seq.num_output_tokens,
-                grammar_bitmask=None if masks is None or lives[i].grammar is None else masks[j],
+                grammar_bitmask=None if masks is None or lives[i].grammar is None else masks[i],
                 processor=lives[i].processor,
             )
-            for j, i in enumerate(keep)
+            for i in keep
         ]
         for i, row in zip(keep, self.sampler.sample(logits, rows), strict=True):
             results[i] = row
         return results
-
-    def _grammar_bitmasks(self, lives: list[LiveRequest]) -> torch.Tensor | None:
-        """Fill the allowed-token bitmask of every constrained row in one batched call; None if none is."""
-        matchers = [live.grammar for live in lives]
-        if all(m is None for m in matchers):
-            return None
-        import torch
-
-        words = (self.runner.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < len(lives):
-            self._bitmask = torch.full((max(len(lives), 64), words), -1, dtype=torch.int32)
-        out = self._bitmask[: len(lives)]  # [rows, words]; unconstrained rows stay all-allowed (-1)
-        out.fill_(-1)
-        self.grammar.fill_bitmasks([(m, i) for i, m in enumerate(matchers) if m is not None], out)
-        return out.to(self.runner.device)
 
     def _update(self, live: LiveRequest, result: SampleResultRow | None) -> None:
         """Append the sampled token, advance grammar and text, and decide whether the sequence ends."""

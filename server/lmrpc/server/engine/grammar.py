@@ -1,5 +1,6 @@
-"""Structured output with llguidance: compile constraints (cached), fill token bitmasks in one batched call,
-advance matchers with sampled tokens, apply masks to logits with plain torch.
+"""Structured output with llguidance: compile constraints (cached), fill token bitmasks in one batched call while
+the model runs (MaskFiller), advance matchers with sampled tokens. Masks are applied to the logits by the sampler
+(lmrpc.kernels.sampling.apply_bitmask, plain torch).
 
 json_schema, regex and ebnf go to llguidance's own front ends (a regex as a one-rule Lark grammar). A
 structural_tag (SGLang's format, below) is translated here into a Lark grammar: free text with lazily matched
@@ -13,6 +14,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -308,14 +310,50 @@ class GrammarBackend:
         return GrammarMatcher(matcher)
 
     def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], out: torch.Tensor) -> None:
-        """out [B, ceil(vocab/32)] int32: for each (matcher, i), row i <- its allowed tokens; one parallel call."""
+        """out [B, ceil(vocab/32)] int32: for each (matcher, i), row i <- its allowed tokens; one parallel call.
+        Touches no torch kernel (llguidance writes the rows through the tensor's pointer), so any thread may call it."""
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for m, i in rows], out)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits [B, V] in place: tokens whose bit is 0 get -inf; columns past the mask's width are disallowed."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)  # [B, words * 32]
-    width = min(allowed.shape[1], logits.shape[1])
-    logits[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
-    logits[:, width:] = float("-inf")
+class PendingMasks:
+    """A step's bitmask fill under way on the filler's thread."""
+
+    def __init__(self, future: Future[None] | None, masks: torch.Tensor | None) -> None:
+        self._future = future
+        self._masks = masks  # [rows, words] int32; None when no row is constrained
+
+    def wait(self) -> torch.Tensor | None:
+        """The filled masks (a view of the filler's buffer, valid until its next fill); re-raises a fill error."""
+        if self._future is not None:
+            self._future.result()
+        return self._masks
+
+
+class MaskFiller:
+    """Fills a step's allowed-token bitmasks on a thread of its own while the model runs.
+
+    llguidance releases the GIL while it computes masks, so the fill overlaps the forward pass instead of
+    following it. The buffer is reused across steps: the engine waits for every fill (also when the forward
+    fails) before it starts the next one, and advances matchers only after the wait.
+    """
+
+    def __init__(self, backend: GrammarBackend) -> None:
+        self._backend = backend
+        self._words = (backend.vocab_size + 31) // 32
+        self._buffer = torch.full((64, self._words), -1, dtype=torch.int32)  # [max rows so far, words]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmrpc-grammar")
+
+    def start(self, matchers: list[GrammarMatcher | None]) -> PendingMasks:
+        """Begin filling row i for matchers[i]; unconstrained rows (None) allow every token."""
+        if all(m is None for m in matchers):
+            return PendingMasks(None, None)
+        if self._buffer.shape[0] < len(matchers):
+            self._buffer = torch.full((len(matchers), self._words), -1, dtype=torch.int32)
+        masks = self._buffer[: len(matchers)]  # [rows, words]
+        masks.fill_(-1)  # here, on the engine thread: the filler's thread runs no torch kernel
+        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        return PendingMasks(self._pool.submit(self._backend.fill_bitmasks, rows, masks), masks)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
