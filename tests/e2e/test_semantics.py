@@ -41,7 +41,8 @@ def stub(server) -> Iterator[generate_pb2_grpc.GenerateServiceStub]:  # type: ig
     "日本語の文章: 今日は",
 ])
 @pytest.mark.parametrize("params", [greedy(24), {"max_new_tokens": 24, "temperature": 1.3, "sampling_seed": 11}])
-def test_stream_concatenates_to_the_merged_output(client: Client, prompt: str, params: dict[str, object]) -> None:
+def test_stream_concatenates_to_the_merged_output(client: Client, prompt: str, params: dict[str, object],
+                                                  warm_prefix_cache: Callable[[Client, str], None]) -> None:
     warm_prefix_cache(client, prompt)
     deltas = list(client.generate(prompt, sampling_params=params, stream=True))
     [merged] = client.generate(prompt, sampling_params=params)
@@ -52,20 +53,13 @@ def test_stream_concatenates_to_the_merged_output(client: Client, prompt: str, p
     assert [d.finish is not None for d in deltas] == [False] * (len(deltas) - 1) + [True]
 
 
-def warm_prefix_cache(client: Client, prompt: str) -> None:
-    """Put the prompt in the prefix cache, so that every later call computes it the same way (all but its last
-    token from the cache). In half precision a prompt computed afresh and one served from the cache run through
-    different attention kernels and may differ in the last bits, enough to flip a near-tie greedy token (see
-    docs/architecture.md, Precision on CPU); tests comparing calls compare calls that took the same route."""
-    client.generate(prompt, sampling_params=greedy(1))
-
-
 def _greedy_text(client: Client, prompt: str, n: int) -> GenerateResult:
     [r] = client.generate(prompt, sampling_params=greedy(n, ignore_eos=True))
     return r
 
 
-def test_stop_string_trimmed_never_streamed_and_untrimmed_with_no_stop_trim(client: Client) -> None:
+def test_stop_string_trimmed_never_streamed_and_untrimmed_with_no_stop_trim(
+        client: Client, warm_prefix_cache: Callable[[Client, str], None]) -> None:
     prompt = "The capital of France is Paris. The capital of Germany is"
     warm_prefix_cache(client, prompt)
     full = _greedy_text(client, prompt, 32).text
@@ -100,7 +94,7 @@ def test_finish_eos_with_matched_id(client: Client) -> None:
     assert r.token_ids[-1] == EOS and "<|im_end|>" not in r.text
 
 
-def test_finish_stop_token(client: Client) -> None:
+def test_finish_stop_token(client: Client, warm_prefix_cache: Callable[[Client, str], None]) -> None:
     prompt = "One, two, three, four,"
     warm_prefix_cache(client, prompt)
     ids = _greedy_text(client, prompt, 8).token_ids

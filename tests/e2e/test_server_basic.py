@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,7 +40,8 @@ def test_non_stream_one_message_per_index(server) -> None:
         assert m.usage.prompt_tokens > 0
 
 
-def test_greedy_stream_equals_non_stream(client: Client) -> None:
+def test_greedy_stream_equals_non_stream(client: Client, warm_prefix_cache: Callable[[Client, str], None]) -> None:
+    warm_prefix_cache(client, "Once upon a time")
     streamed = "".join(d.text for d in client.generate("Once upon a time", sampling_params=GREEDY, stream=True))
     [merged] = client.generate("Once upon a time", sampling_params=GREEDY)
     assert streamed == merged.text
