@@ -118,11 +118,17 @@ MIXED = [(0, 1), (6, 1), (40, 1), (0, 7), (13, 9)]  # decodes (context 1, 7, 41)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("seqs", [MIXED, [(3, 1), (30, 1)], [(0, 5)], [(21, 4), (0, 3)]], ids=str)
+@pytest.mark.parametrize(
+    "seqs", [MIXED, [(3, 1), (30, 1)], [(0, 5)], [(21, 4), (0, 3)], [(17, 1)], [(9, 1), (9, 1), (0, 4)]], ids=str
+)
 def test_torch_reference_matches_naive_attention(page_size: int, seqs: list[tuple[int, int]]) -> None:
     step = make_step(seqs, page_size, seed=page_size)
     scale = 16**-0.5
     meta = build_metadata(step.chunks, page_size, CPU)
+    decodes = [start + 1 for start, n in seqs if n == 1]
+    assert meta.decode_lengths == tuple(decodes)
+    # Decode rows of equal contexts need no padding mask; mixed contexts get one.
+    assert (meta.decode_mask is None) == (len(set(decodes)) <= 1)
     expected = naive_attention(step, scale)
     out = torch_reference(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -53,7 +53,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     num_decodes: int  # rows 0..num_decodes-1 are single-token decodes
     decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64 cache slots (padding points at slot 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool: True where a real position
+    # [num_decodes, 1, 1, max_context] bool: True where a real position; None when no row is padded (one decode,
+    # or equal contexts), which spares attention applying a mask
+    decode_mask: torch.Tensor | None
+    decode_lengths: tuple[int, ...]  # context length of each decode row, its new token included
     prefills: tuple[PrefillSeq, ...]  # the other sequences
     paged: PagedLayout | None = None  # flashinfer's layout of the same step; only built when asked (CUDA)
 
@@ -77,14 +80,16 @@ def build_metadata(
     while num_decodes < len(chunks) and chunks[num_decodes][1] == 1:
         num_decodes += 1
     decode_slots = decode_mask = None
+    decode_lengths = tuple(chunks[i][0] + 1 for i in range(num_decodes))
     if num_decodes:
-        lengths = torch.tensor([chunks[i][0] + 1 for i in range(num_decodes)])
-        width = int(lengths.max())
+        width = max(decode_lengths)
         decode_slots = torch.zeros(num_decodes, width, dtype=torch.int64)
-        for i in range(num_decodes):
-            decode_slots[i, : lengths[i]] = all_slots[i]
-        decode_mask = (torch.arange(width)[None, :] < lengths[:, None]).view(num_decodes, 1, 1, width)
-        decode_slots, decode_mask = decode_slots.to(device), decode_mask.to(device)
+        for i, length in enumerate(decode_lengths):
+            decode_slots[i, :length] = all_slots[i]
+        decode_slots = decode_slots.to(device)
+        if min(decode_lengths) < width:
+            lengths = torch.tensor(decode_lengths)
+            decode_mask = (torch.arange(width)[None, :] < lengths[:, None]).view(num_decodes, 1, 1, width).to(device)
     prefills = []
     row = num_decodes
     for (start, n, _), slots in zip(chunks[num_decodes:], all_slots[num_decodes:], strict=True):
@@ -95,7 +100,8 @@ def build_metadata(
         prefills.append(PrefillSeq(row, n, slots.to(device), mask))
         row += n
     paged = _paged_layout(chunks, page_size) if paged_layout else None
-    return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, tuple(prefills), paged)
+    return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, decode_lengths, tuple(prefills),
+                             paged)
 
 
 def _paged_layout(chunks: list[tuple[int, int, torch.Tensor]], page_size: int) -> PagedLayout:

@@ -46,9 +46,8 @@ class HFCausalLM(nn.Module):
         tokens.index_copy_(0, meta.slot_mapping, input_ids)
         pieces: list[torch.Tensor] = []
         if meta.num_decodes:
-            assert meta.decode_slots is not None and meta.decode_mask is not None
-            lengths = meta.decode_mask.view(meta.num_decodes, -1).sum(dim=1).tolist()
-            for slots, length in zip(meta.decode_slots, lengths, strict=True):
+            assert meta.decode_slots is not None
+            for slots, length in zip(meta.decode_slots, meta.decode_lengths, strict=True):
                 pieces.append(self._logits(tokens[slots[:length]], 1))
         for p in meta.prefills:
             pieces.append(self._logits(tokens[p.slots], p.num_tokens))
