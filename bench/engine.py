@@ -1,17 +1,19 @@
 """Engine throughput next to HF transformers' `generate`, same weights, same dtype, one run.
 
     .venv/bin/python bench/engine.py [--model DIR] [--dtype bfloat16] [--batches 1 8 32] [--prompt-len 128]
-                                     [--new-tokens 128] [--repeats 3] [--skip-hf] [--no-auto]
+                                     [--new-tokens 128] [--repeats 5] [--skip-hf] [--no-auto]
 
 For each concurrency B it prints decode tok/s (all sequences' generated tokens after the first, over the time
 after the first token) and prefill tok/s, for lmrpc's engine and for HF (greedy, EOS ignored, equal-length random
-prompts so HF needs no padding). Each figure is the median of --repeats runs. Issue 3's target: lmrpc >= 1.5x HF
-decode throughput at B=1 and B=32.
+prompts so HF needs no padding). Issue 3's target: lmrpc >= 1.5x HF decode throughput at B=1 and B=32.
 
-Each system is measured in a fresh process of its own (this script re-runs itself with --worker): torch's CPU
-kernels run on an OpenMP pool per calling thread, and a pool left behind by the other system would slow the
-second one measured. Both run the same weights in --dtype (bf16 by default). lmrpc is also measured at its
-default `--dtype auto` (bfloat16 where the CPU has bf16 instructions, else float32), in extra columns.
+Each system runs in a process of its own, started once (this script re-runs itself with --worker): torch's CPU
+kernels run on an OpenMP pool per calling thread, and a pool left behind by one system would slow the other. The
+systems then take turns: each of --repeats rounds runs every batch size on every system back to back (the order of
+the systems alternating between rounds), so a shared machine's slow and fast minutes fall on both alike. Figures
+are medians over rounds; "ratio" is the median over rounds of lmrpc / HF within the round. Both run the same
+weights in --dtype (bf16 by default); where lmrpc's default `--dtype auto` means another dtype on this CPU (float32
+without bf16 instructions), lmrpc is also measured at it, in extra columns.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+
+from lmrpc.server.models.linear import resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,10 @@ def median(runs: list[Figures]) -> Figures:
 
 # ---- workers (one system per process) ------------------------------------------------------------------------
 
+Run = Callable[[list[list[int]]], Figures]
 
-def lmrpc_worker(args: argparse.Namespace, dtype: str) -> dict[int, Figures]:
+
+def lmrpc_worker(args: argparse.Namespace, dtype: str) -> Run:
     from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from lmrpc.server.engine.engine import AsyncEngine
     from lmrpc.server.protocol import EngineRequest, SamplingParams
@@ -77,13 +84,10 @@ def lmrpc_worker(args: argparse.Namespace, dtype: str) -> dict[int, Figures]:
         prompt_tokens = sum(len(p) for p in batch)
         return Figures(prompt_tokens / t_first, len(batch) * (args.new_tokens - 1) / (end - start - t_first))
 
-    figures = {b: median([asyncio.run(run(prompts(b, args.prompt_len, seed=r))) for r in range(args.repeats)])
-               for b in args.batches}
-    engine.shutdown()
-    return figures
+    return lambda batch: asyncio.run(run(batch))  # the engine thread lives on; the process exit ends it
 
 
-def hf_worker(args: argparse.Namespace, dtype: str) -> dict[int, Figures]:
+def hf_worker(args: argparse.Namespace, dtype: str) -> Run:
     from transformers import AutoModelForCausalLM
 
     from lmrpc.server.config import ModelConfig
@@ -107,19 +111,50 @@ def hf_worker(args: argparse.Namespace, dtype: str) -> dict[int, Figures]:
                        len(batch) * (args.new_tokens - 1) / max(t_all - t_first, 1e-9))
 
     gen(prompts(1, 8), 4)  # warm-up
-    return {b: median([run(prompts(b, args.prompt_len, seed=r)) for r in range(args.repeats)])
-            for b in args.batches}
+    return run
 
 
-WORKERS = {"lmrpc": lmrpc_worker, "hf": hf_worker}
+WORKERS: dict[str, Callable[[argparse.Namespace, str], Run]] = {"lmrpc": lmrpc_worker, "hf": hf_worker}
 
 
-def measure(system: str, dtype: str, argv: list[str]) -> dict[int, Figures]:
-    """Run one system in a fresh process and read its figures (JSON on the last line of its output)."""
-    proc = subprocess.run([sys.executable, __file__, *argv, "--worker", system, "--worker-dtype", dtype],
-                          stdout=subprocess.PIPE, text=True, check=True)
-    raw = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {int(b): Figures(**f) for b, f in raw.items()}
+def serve(args: argparse.Namespace) -> None:
+    """Worker side: load, say "ready", then answer each "<batch> <seed>" line with that run's figures as JSON."""
+    run = WORKERS[args.worker](args, args.worker_dtype)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        batch, seed = map(int, line.split())
+        print(json.dumps(asdict(run(prompts(batch, args.prompt_len, seed)))), flush=True)
+
+
+class Worker:
+    """Parent side: one system in a process of its own, started once, measured on request."""
+
+    def __init__(self, system: str, dtype: str, argv: list[str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, *argv, "--worker", system, "--worker-dtype", dtype],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._expect("ready")
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"benchmark worker exited with {self.proc.wait()}")
+        return line.strip()
+
+    def _expect(self, word: str) -> None:
+        while (line := self._line()) != word:  # libraries may print before the worker does
+            print(line, file=sys.stderr)
+
+    def run(self, batch: int, seed: int) -> Figures:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{batch} {seed}\n")
+        self.proc.stdin.flush()
+        return Figures(**json.loads(self._line()))
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 # ---- the table -----------------------------------------------------------------------------------------------
@@ -132,36 +167,58 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is printed")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians are printed")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--no-auto", action="store_true", help="skip the extra lmrpc run at --dtype auto")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        figures = WORKERS[args.worker](args, args.worker_dtype)
-        print(json.dumps({b: asdict(f) for b, f in figures.items()}))
+        serve(args)
         return
 
     argv = sys.argv[1:]
-    ours = measure("lmrpc", args.dtype, argv)
-    auto = {} if args.no_auto else measure("lmrpc", "auto", argv)
-    hf = {} if args.skip_hf else measure("hf", args.dtype, argv)
+    systems = {"lmrpc": ("lmrpc", args.dtype)}
+    if not args.skip_hf:
+        systems["hf"] = ("hf", args.dtype)
+    auto_dtype = resolve_dtype("auto", torch.device("cpu"))
+    if not args.no_auto and auto_dtype != getattr(torch, args.dtype):  # else the same system twice
+        systems["auto"] = ("lmrpc", "auto")
+    workers = {name: Worker(system, dtype, argv) for name, (system, dtype) in systems.items()}
+    runs: dict[str, dict[int, list[Figures]]] = {name: {b: [] for b in args.batches} for name in workers}
+    for r in range(args.repeats):
+        order = list(workers) if r % 2 == 0 else list(reversed(workers))
+        for b in args.batches:
+            for name in order:
+                runs[name][b].append(workers[name].run(b, seed=r))
+    for worker in workers.values():
+        worker.close()
 
+    def ratio(name: str, b: int) -> str:
+        if name not in runs or "hf" not in runs:
+            return "   n/a"
+        pairs = zip(runs[name][b], runs["hf"][b], strict=True)
+        return f"{statistics.median(o.decode_tok_s / h.decode_tok_s for o, h in pairs):5.2f}x"
+
+    med = {name: {b: median(figures) for b, figures in per_batch.items()} for name, per_batch in runs.items()}
+    ours, hf, auto = med["lmrpc"], med.get("hf", {}), med.get("auto", {})
     print(f"\nmodel={args.model or 'SmolLM2-135M-Instruct (embedded)'} dtype={args.dtype} prompt={args.prompt_len} "
-          f"new={args.new_tokens} threads={torch.get_num_threads()} median of {args.repeats}")
+          f"new={args.new_tokens} threads={torch.get_num_threads()} medians of {args.repeats} interleaved rounds")
     header = (f"{'lmrpc decode':>12} {'HF decode':>10} {'ratio':>6} | {'lmrpc prefill':>13} {'HF prefill':>10} | "
               f"{'auto decode':>11} {'ratio':>6} {'auto prefill':>12}")
     print(f"{'batch':>5} | {header}")
     for b in args.batches:
         o, h, a = ours[b], hf.get(b), auto.get(b)
-        ratio = f"{o.decode_tok_s / h.decode_tok_s:5.2f}x" if h else "   n/a"
         hd = f"{h.decode_tok_s:10.1f}" if h else f"{'-':>10}"
         hp = f"{h.prefill_tok_s:10.1f}" if h else f"{'-':>10}"
         ad = f"{a.decode_tok_s:11.1f}" if a else f"{'-':>11}"
-        ar = f"{a.decode_tok_s / h.decode_tok_s:5.2f}x" if a and h else "   n/a"
         ap = f"{a.prefill_tok_s:12.1f}" if a else f"{'-':>12}"
-        print(f"{b:>5} | {o.decode_tok_s:12.1f} {hd} {ratio} | {o.prefill_tok_s:13.1f} {hp} | {ad} {ar} {ap}")
+        print(f"{b:>5} | {o.decode_tok_s:12.1f} {hd} {ratio('lmrpc', b)} | {o.prefill_tok_s:13.1f} {hp} | "
+              f"{ad} {ratio('auto', b)} {ap}")
+    print("ratio: median over rounds of lmrpc / HF decode tok/s measured in the same round")
+    if "auto" not in runs and not args.no_auto:
+        auto_name = str(auto_dtype).removeprefix("torch.")
+        print(f"--dtype auto is {auto_name} on this CPU: the lmrpc columns are its figures")
 
 
 if __name__ == "__main__":
