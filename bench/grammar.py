@@ -2,7 +2,7 @@
 the same streams unconstrained, in one run.
 
     .venv/bin/python bench/grammar.py [--model DIR] [--dtype bfloat16] [--streams 8] [--new-tokens 64]
-                                      [--rounds 5] [--whitespace-flexible] [--profile]
+                                      [--rounds 9] [--whitespace-flexible] [--profile]
 
 Both modes send the same chat prompts, greedy, EOS ignored, max_new_tokens each; the schema (an array of at least
 100 grocery items) cannot be complete before max_new_tokens, so every stream generates exactly that many tokens in
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--whitespace-flexible", action="store_true",
                         help="JSON with any whitespace (default: json.dumps layout, as small models loop on spaces)")
     parser.add_argument("--profile", action="store_true", help="time the mask fill and apply per engine step")
