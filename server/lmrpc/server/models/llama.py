@@ -73,12 +73,12 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/signed_sin [T, 1, head_dim] (see `signed_sin`).
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim], sin from `signed_sin`.
 
-    rotate_half(x) * sin == roll(x, half) * signed_sin: the same products, in three ops instead of six (a decode
-    step's cost is mostly per-op overhead)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+    rotate_half(x) * sin == roll(x, half) * signed_sin(sin): the same products, in three ops instead of six (a
+    decode step's cost is mostly per-op overhead)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class RMSNorm(nn.Module):
@@ -121,8 +121,8 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, : s.heads], qk[:, s.heads :]  # [T, heads, head_dim], [T, kv_heads, head_dim]
         attn = attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, heads, head_dim]
         x = x + self.o(attn.reshape(t, q_width))
-        # SiLU * up stays in the activation dtype: keeping gate_up -> down in bf16 on CPU (bf16 element-wise ops, a
-        # mixed-dtype residual sum) measured 0.9x at 32 sequences in bench/engine.py, conversions saved included
+        # SiLU * up stays in the activation dtype: keeping the o and gate_up -> down outputs in bf16 on CPU (bf16
+        # element-wise ops, mixed-dtype residual sums) measured 0.9x at 32 sequences, conversions saved included
         gate, up = self.gate_up(self.post_attention_norm(x)).chunk(2, dim=-1)  # [T, intermediate] each
         return x + self.down(F.silu(gate) * up)
 
@@ -185,8 +185,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache is stored like the weights (half precision halves its memory and the bytes attention
-        reads; on CPU it measured faster at 32 sequences than a float32 cache, despite the up-cast)."""
+        """The KV cache is stored like the weights (half precision halves its memory)."""
         return self.embed.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
