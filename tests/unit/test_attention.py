@@ -1,5 +1,6 @@
-"""Paged attention on CPU: build_metadata's layouts, the torch reference against naive dense attention, and the
-flashinfer backend's plumbing (planning, page views, dtypes, fallbacks) against a stand-in for flashinfer."""
+"""Paged attention: build_metadata's layouts, the torch reference against naive dense attention, the flashinfer
+backend's plumbing (planning, page views, dtypes, fallbacks) against a stand-in for flashinfer, and the choice of
+backend. The native CPU kernels have their own tests (test_native_kernels.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from lmrpc.kernels import attention
-from lmrpc.kernels.attention import AttentionMetadata, build_metadata, select_backend, torch_reference
+from lmrpc.kernels import attention, native
+from lmrpc.kernels.attention import PagedTorchAttention, select_backend
 from lmrpc.kernels.flashinfer_attention import FlashInferAttention
+from lmrpc.kernels.native_attention import NativeAttention
+from lmrpc.kernels.paged import AttentionMetadata, AttentionShape, Rope, build_metadata
+from lmrpc.kernels.torch_attention import torch_reference
 
 CPU = torch.device("cpu")
 
@@ -270,11 +274,26 @@ def test_flashinfer_backend_falls_back_without_layout_or_for_float32(
     assert len(caplog.records) == 2  # one warning per reason, not per call
 
 
+SHAPE = AttentionShape(layers=2, heads=4, kv_heads=2, head_dim=16, scale=0.25)
+ROPE = Rope(torch.ones(64, 16), torch.zeros(64, 16))
+
+
 def test_select_backend(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    assert select_backend(CPU) is torch_reference
+    cpu = select_backend(SHAPE, ROPE, torch.float32, CPU, num_pages=8, page_size=16)
+    assert isinstance(cpu, NativeAttention) == native.available()
+    # Page sizes the native kernels can't read, or a cache dtype they don't store: the torch reference, said so.
+    with caplog.at_level(logging.WARNING):
+        for page_size, dtype in ((4, torch.float32), (16, torch.float16)):
+            other = select_backend(SHAPE, ROPE, dtype, CPU, num_pages=8, page_size=page_size)
+            assert isinstance(other, PagedTorchAttention) and other.kernel is torch_reference
+    assert "torch reference" in caplog.text
+    caplog.clear()
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` raise ImportError
     monkeypatch.setattr(attention, "_warned_no_flashinfer", False)
+    # No CUDA here: record what would be built instead of allocating a cache on it.
+    monkeypatch.setattr(attention, "PagedTorchAttention", lambda *a, **kw: kw.get("kernel", torch_reference))
     with caplog.at_level(logging.WARNING):
-        assert select_backend(torch.device("cuda")) is torch_reference
-        assert select_backend(torch.device("cuda")) is torch_reference
+        for _ in range(2):
+            cuda = select_backend(SHAPE, ROPE, torch.bfloat16, torch.device("cuda"), num_pages=8, page_size=16)
+            assert cuda is torch_reference  # type: ignore[comparison-overlap]
     assert len(caplog.records) == 1 and "flashinfer" in caplog.text

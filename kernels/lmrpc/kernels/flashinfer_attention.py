@@ -1,4 +1,4 @@
-"""Paged attention on CUDA with flashinfer's batch kernels: the same contract as `attention.torch_reference`.
+"""Paged attention on CUDA with flashinfer's batch kernels: the same contract as `torch_attention.torch_reference`.
 
 One engine step = one `AttentionMetadata`, shared by every layer. The first layer call that sees a new metadata
 object plans the step (flashinfer's plan(): host-side scheduling plus uploading the page table); every layer then
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from lmrpc.kernels.attention import AttentionMetadata, PagedLayout, torch_reference
+from lmrpc.kernels.paged import AttentionMetadata, PagedLayout
+from lmrpc.kernels.torch_attention import torch_reference
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,282 @@
+// Paged attention and RoPE + cache writes (see attention.h).
+//
+// Each query is computed on its own, in the same order whatever the batch, the chunk or the thread: scores of its
+// keys in blocks of 16 (each a sum over head_dim, even and odd dimensions in two sums), the maximum, exp and a
+// 16-lane sum of the weights added pairwise, then the values accumulated key by key. A prompt token computed in a
+// long prefill chunk, alone, or as the last token after a prefix-cache hit gives the same bits.
+#include "attention.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+
+namespace lmrpc {
+
+namespace {
+
+// ---- cache access ----------------------------------------------------------------------------------------------
+
+template <typename S>
+inline S* key_block(const CacheView& c, int64_t page, int64_t kvh) {  // [head_dim][P]
+  return static_cast<S*>(c.keys) + (page * c.kv_heads + kvh) * c.head_dim * c.page_size;
+}
+
+template <typename S>
+inline S* value_block(const CacheView& c, int64_t page, int64_t kvh) {  // [P][head_dim]
+  return static_cast<S*>(c.values) + (page * c.kv_heads + kvh) * c.page_size * c.head_dim;
+}
+
+template <typename S>
+inline S store_as(float v) {
+  if constexpr (sizeof(S) == 2) return f32_to_bf16(v); else return v;
+}
+
+template <typename S>
+inline float load_as(S v) {
+  if constexpr (sizeof(S) == 2) return bf16_to_f32(v); else return v;
+}
+
+// ---- RoPE ----------------------------------------------------------------------------------------------------
+
+// One head: optional RMSNorm, then x * cos + rotate_half(x) * sin (sin signed), into out [head_dim].
+void rotate_head(const float* x, int64_t hd, const float* cos, const float* sin, const float* norm, float eps,
+                 float* out) {
+  std::vector<float> normed;
+  if (norm != nullptr) {
+    normed.resize(hd);
+    const float inv = row_inv_rms(x, hd, eps);
+    for (int64_t i = 0; i < hd; ++i) normed[i] = x[i] * inv * norm[i];
+    x = normed.data();
+  }
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < hd; ++i) out[i] = std::fma(x[(i + half) % hd], sin[i], x[i] * cos[i]);
+}
+
+template <typename S>
+void rope_store_impl(const RopeArgs& a, const CacheView& c) {
+  const int64_t hd = c.head_dim, kvh = c.kv_heads, P = c.page_size;
+  const int64_t parts = a.t >= 16 ? omp_get_max_threads() : 1;
+#pragma omp parallel for num_threads(parts) schedule(static)
+  for (int64_t t = 0; t < a.t; ++t) {
+    const float* row = a.qkv + t * a.qkv_stride;
+    const float* cos = a.cos + a.positions[t] * hd;
+    const float* sin = a.sin + a.positions[t] * hd;
+    for (int64_t h = 0; h < a.heads; ++h) {
+      rotate_head(row + h * hd, hd, cos, sin, a.q_norm, a.eps, a.q_out + (t * a.heads + h) * hd);
+    }
+    const int64_t page = a.slots[t] / P, off = a.slots[t] % P;
+    std::vector<float> k(hd);
+    for (int64_t h = 0; h < kvh; ++h) {
+      rotate_head(row + (a.heads + h) * hd, hd, cos, sin, a.k_norm, a.eps, k.data());
+      S* kb = key_block<S>(c, page, h);
+      for (int64_t i = 0; i < hd; ++i) kb[i * P + off] = store_as<S>(k[i]);
+      const float* v = row + (a.heads + kvh + h) * hd;
+      S* vb = value_block<S>(c, page, h) + off * hd;
+      for (int64_t i = 0; i < hd; ++i) vb[i] = store_as<S>(v[i]);
+    }
+  }
+}
+
+// ---- attention of one query group (the query heads sharing one kv head) -------------------------------------
+
+constexpr int kMaxGroup = 8;  // query heads per kv head handled in registers
+
+// scores[g][ctx] = scale * q_g . k_j for j < ctx (16 keys at a time; dims even/odd in two sums).
+template <typename S>
+void scores_generic(const float* const* q, int groups, const CacheView& c, const int32_t* pages, int64_t kvh,
+                    int64_t ctx, float scale, float* scores, int64_t stride) {
+  const int64_t hd = c.head_dim, P = c.page_size;
+  for (int64_t base = 0; base < ctx; base += 16) {
+    const S* kb = key_block<S>(c, pages[base / P], kvh) + base % P;
+    for (int g = 0; g < groups; ++g) {
+      float even[16] = {0}, odd[16] = {0};
+      for (int64_t d = 0; d < hd; ++d) {
+        float* acc = (d & 1) ? odd : even;
+        for (int l = 0; l < 16; ++l) acc[l] = std::fma(q[g][d], load_as<S>(kb[d * P + l]), acc[l]);
+      }
+      for (int l = 0; l < 16 && base + l < ctx; ++l) scores[g * stride + base + l] = (even[l] + odd[l]) * scale;
+    }
+  }
+}
+
+float softmax_weights(float* s, int64_t ctx);
+
+#if LMRPC_AVX512
+template <typename S>
+inline __m512 load16(const S* p) {
+  if constexpr (sizeof(S) == 2) return load_bf16x16(p); else return _mm512_loadu_ps(p);
+}
+
+template <typename S, int G>
+void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t ctx,
+                   float scale, float* scores, int64_t stride) {
+  const int64_t hd = c.head_dim, P = c.page_size;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t base = 0; base < ctx; base += 16) {
+    const S* kb = key_block<S>(c, pages[base / P], kvh) + base % P;
+    __m512 acc[G][2];
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 2) {
+      const __m512 k0 = load16<S>(kb + d * P), k1 = load16<S>(kb + (d + 1) * P);
+      for (int g = 0; g < G; ++g) {
+        acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d]), k0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d + 1]), k1, acc[g][1]);
+      }
+    }
+    const int64_t n = std::min<int64_t>(16, ctx - base);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g) {
+      _mm512_mask_storeu_ps(scores + g * stride + base, mask,
+                            _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), vscale));
+    }
+  }
+}
+
+// out[g][:] = sum_j w[g][j] v_j * (1 / total[g]), keys in order; NV vectors of 16 per head.
+template <typename S, int G, int NV>
+void values_avx512(const float* w, int64_t stride, const float* totals, const CacheView& c, const int32_t* pages,
+                   int64_t kvh, int64_t ctx, float* const* out) {
+  const int64_t hd = c.head_dim, P = c.page_size;
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < ctx; ++j) {
+    const S* v = value_block<S>(c, pages[j / P], kvh) + (j % P) * hd;
+    for (int i = 0; i < NV; ++i) {
+      const __m512 vi = load16<S>(v + 16 * i);
+      for (int g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * stride + j]), vi, acc[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / totals[g]);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out[g] + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+  }
+}
+
+// The group's scores and values with the group size (and head width) fixed at compile time, so accumulators stay
+// in registers. False when there is no specialization (the generic code runs).
+template <typename S, int G>
+bool group_avx512(const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t ctx,
+                  float scale, float* scores, int64_t stride, float* totals, float* const* out) {
+  const int64_t hd = c.head_dim;
+  if (hd != 64 && hd != 128) return false;
+  scores_avx512<S, G>(q, c, pages, kvh, ctx, scale, scores, stride);
+  for (int g = 0; g < G; ++g) totals[g] = softmax_weights(scores + g * stride, ctx);
+  if (hd == 64) values_avx512<S, G, 4>(scores, stride, totals, c, pages, kvh, ctx, out);
+  else values_avx512<S, G, 8>(scores, stride, totals, c, pages, kvh, ctx, out);
+  return true;
+}
+
+template <typename S>
+bool dispatch_group(int groups, const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh,
+                    int64_t ctx, float scale, float* scores, int64_t stride, float* totals, float* const* out) {
+  switch (groups) {
+    case 1: return group_avx512<S, 1>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
+    case 2: return group_avx512<S, 2>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
+    case 3: return group_avx512<S, 3>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
+    case 4: return group_avx512<S, 4>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
+    case 5: return group_avx512<S, 5>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
+    case 6: return group_avx512<S, 6>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
+    case 7: return group_avx512<S, 7>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
+    case 8: return group_avx512<S, 8>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
+    default: return false;
+  }
+}
+#endif
+
+// scores row [ctx] -> weights exp(s - max) in place; returns their sum (16 lanes, added pairwise).
+float softmax_weights(float* s, int64_t ctx) {
+  float mx = s[0];
+  for (int64_t j = 1; j < ctx; ++j) mx = std::max(mx, s[j]);
+#if LMRPC_AVX512
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= ctx; j += 16) {
+    const __m512 e = exp_vec(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < ctx) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (ctx - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp_vec(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), vmx)));
+    _mm512_mask_storeu_ps(s + j, mask, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return reduce_add(sum);
+#else
+  float lanes[16] = {0};
+  for (int64_t j = 0; j < ctx; ++j) {
+    s[j] = exp_scalar(s[j] - mx);
+    lanes[j % 16] += s[j];
+  }
+  return reduce_add16(lanes);
+#endif
+}
+
+// out[g][:] = sum_j w[g][j] v_j * (1 / total[g]), keys in order.
+template <typename S>
+void weighted_values(const float* w, int groups, int64_t stride, const float* totals, const CacheView& c,
+                     const int32_t* pages, int64_t kvh, int64_t ctx, float* const* out) {
+  const int64_t hd = c.head_dim, P = c.page_size;
+  for (int g = 0; g < groups; ++g) {
+    std::vector<float> acc(hd, 0.0f);
+    for (int64_t j = 0; j < ctx; ++j) {
+      const S* v = value_block<S>(c, pages[j / P], kvh) + (j % P) * hd;
+      for (int64_t i = 0; i < hd; ++i) acc[i] = std::fma(w[g * stride + j], load_as<S>(v[i]), acc[i]);
+    }
+    const float inv = 1.0f / totals[g];
+    for (int64_t i = 0; i < hd; ++i) out[g][i] = acc[i] * inv;
+  }
+}
+
+template <typename S>
+void attention_impl(const AttentionArgs& a, const CacheView& c) {
+  const int64_t kvh = c.kv_heads, hd = c.head_dim;
+  const int groups = static_cast<int>(a.heads / kvh);
+  const int64_t items = a.t * kvh;
+  const int64_t parts = std::min<int64_t>(omp_get_max_threads(), items);
+#pragma omp parallel num_threads(parts)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t t = item / kvh, h = item % kvh;
+      const int64_t ctx = a.token_ctx[t];
+      const int32_t* pages = a.block_table + static_cast<int64_t>(a.token_seq[t]) * a.table_width;
+      const int64_t stride = (ctx + 15) / 16 * 16;
+      scores.resize(groups * stride);
+      for (int g0 = 0; g0 < groups; g0 += kMaxGroup) {
+        const int gn = std::min(kMaxGroup, groups - g0);
+        const float* q[kMaxGroup];
+        float* out[kMaxGroup];
+        float totals[kMaxGroup];
+        for (int g = 0; g < gn; ++g) {
+          const int64_t head = h * groups + g0 + g;
+          q[g] = a.q + (t * a.heads + head) * hd;
+          out[g] = a.out + t * a.heads * hd + head * hd;
+        }
+#if LMRPC_AVX512
+        if (dispatch_group<S>(gn, q, c, pages, h, ctx, a.scale, scores.data(), stride, totals, out)) continue;
+#endif
+        scores_generic<S>(q, gn, c, pages, h, ctx, a.scale, scores.data(), stride);
+        for (int g = 0; g < gn; ++g) totals[g] = softmax_weights(scores.data() + g * stride, ctx);
+        weighted_values<S>(scores.data(), gn, stride, totals, c, pages, h, ctx, out);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rope_store(const RopeArgs& a, const CacheView& cache) {
+  if (cache.bf16) rope_store_impl<uint16_t>(a, cache); else rope_store_impl<float>(a, cache);
+}
+
+void paged_attention(const AttentionArgs& a, const CacheView& cache) {
+  if (a.t == 0) return;
+  if (cache.bf16) attention_impl<uint16_t>(a, cache); else attention_impl<float>(a, cache);
+}
+
+}  // namespace lmrpc

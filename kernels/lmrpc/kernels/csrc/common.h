@@ -1,0 +1,134 @@
+// Shared helpers of lmrpc's CPU kernels: bf16 conversion, a deterministic vector exp, OpenMP partitioning.
+//
+// Every kernel here computes each output element with one fixed sequence of floating-point operations that depends
+// only on that element's own inputs (its row, its weights, its context length), never on how many rows share the
+// call or on how work is split between threads. That is what makes a request's numbers independent of its batch.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define LMRPC_AVX512 1
+#include <immintrin.h>
+#else
+#define LMRPC_AVX512 0
+#endif
+
+#include <omp.h>
+
+namespace lmrpc {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion does (NaN kept a quiet NaN).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// exp(x) for x <= 88: 2^n * p(r) with n = round(x / ln2), r = x - n ln2 (two-step reduction), p a degree-6
+// polynomial. The same operations in the scalar and vector forms, so both are deterministic.
+inline float exp_scalar(float x) {
+  x = std::fmax(x, -87.0f);
+  x = std::fmin(x, 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(n, -0.693145751953125f, x);
+  r = std::fma(n, -1.428606765330187e-06f, r);
+  float p = 1.0f / 720.0f;
+  p = std::fma(p, r, 1.0f / 120.0f);
+  p = std::fma(p, r, 1.0f / 24.0f);
+  p = std::fma(p, r, 1.0f / 6.0f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+#if LMRPC_AVX512
+inline __m512 exp_vec(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// 16 bf16 values (32 bytes) -> 16 floats.
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Sum of 16 lanes in a fixed order (halves added pairwise).
+inline float reduce_add(__m512 v) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+#endif
+
+// The same pairwise lane reduction as reduce_add, on 16 scalars.
+inline float reduce_add16(const float* v) {
+  float a[8], b[4];
+  for (int i = 0; i < 8; ++i) a[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) b[i] = a[i] + a[i + 4];
+  const float c0 = b[0] + b[2], c1 = b[1] + b[3];
+  return c0 + c1;
+}
+
+// 1 / sqrt(mean(x^2) + eps) over k values, the squares summed in 16 lanes then pairwise.
+inline float row_inv_rms(const float* x, int64_t k, float eps) {
+#if LMRPC_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  if (j < k) {
+    const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (k - j)) - 1), x + j);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const float ss = reduce_add(acc);
+#else
+  float lanes[16] = {0};
+  for (int64_t j = 0; j < k; ++j) lanes[j % 16] = std::fma(x[j], x[j], lanes[j % 16]);
+  const float ss = reduce_add16(lanes);
+#endif
+  return 1.0f / std::sqrt(ss * (1.0f / static_cast<float>(k)) + eps);
+}
+
+// [begin, end) of part `index` when `total` items are split into `parts` contiguous parts.
+inline void split_range(int64_t total, int parts, int index, int64_t* begin, int64_t* end) {
+  const int64_t base = total / parts, extra = total % parts;
+  *begin = index * base + (index < extra ? index : extra);
+  *end = *begin + base + (index < extra ? 1 : 0);
+}
+
+}  // namespace lmrpc

@@ -1,0 +1,66 @@
+// Row-invariant matrix products y = x W^T over packed weights (dense float32 / bfloat16, or blocks of 4- or 8-bit
+// integers with per-group scales), with the prologues and epilogues a decoder layer needs fused in.
+#pragma once
+
+#include <cstdint>
+
+namespace lmrpc {
+
+enum class WeightFormat : int32_t {
+  F32 = 0,   // float32 values
+  BF16 = 1,  // bfloat16 values
+  Q4 = 2,    // 4-bit codes q in groups of 32, value (q - 8 if q4_signed else q) * scale + offset
+  Q8 = 3,    // signed 8-bit codes in groups of `group` elements, value q * scale
+};
+
+// How activations enter the products: rounded to bfloat16 (AVX512-BF16 dot products, float32 sums), or float32.
+enum class Compute : int32_t { F32 = 0, BF16 = 1 };
+
+// A weight [n, k] in lmrpc's tiled layout (see kernels/lmrpc/kernels/packing.py, which builds it).
+// Outputs come in tiles of 16, tiles in pairs: n is padded to n_pad (a multiple of 32) with zero weights. Inputs
+// come in pairs (kpairs): k is padded to k_pad (a multiple of 2, and of `group` when quantized) with zeros.
+// Within a tile, kpair j holds [16 outputs][2 inputs]: for BF16 and Q8 one 64- or 32-byte vector per kpair; Q4
+// stores each group of 16 kpairs as 8 chunks of 32 bytes, byte 2*o+e of chunk c holding kpair 2c in its low nibble
+// and kpair 2c+1 in its high nibble.
+struct PackedWeight {
+  WeightFormat format;
+  int64_t n, k;          // logical output and input features
+  int64_t n_pad, k_pad;  // padded sizes
+  int64_t group;         // quantized: inputs per scale group (32 for Q4); dense: k_pad
+  bool q4_signed;        // Q4_0 (q - 8) rather than Q4_1 (q with an offset)
+  const void* data;      // packed codes or values
+  const float* scale;    // quantized: [n_pad / 16][groups][16]; dense: null
+  const float* offset;   // Q4 with offsets: [n_pad / 16][groups][16]; else null
+  const float* bias;     // [n] or null
+};
+
+// What happens to each input row before it enters the products.
+enum class Prologue : int32_t {
+  NONE = 0,      // x as is
+  RMS_NORM = 1,  // x * rsqrt(mean(x^2) + eps) * norm_weight
+  SILU_MUL = 2,  // x holds [gate | up] (2k wide): silu(gate) * up
+};
+
+struct LinearArgs {
+  const float* x;          // [m, x_stride] float32 input rows
+  int64_t m;               // rows
+  int64_t x_stride;        // floats between rows of x
+  Prologue prologue;
+  const float* norm_weight;  // RMS_NORM: [k]
+  float eps;                 // RMS_NORM epsilon
+  const float* residual;   // [m, residual_stride] added to the output, or null
+  int64_t residual_stride;
+  float* y;                // [m, y_stride] float32 output (y may alias residual: each element is read, then written)
+  int64_t y_stride;
+};
+
+// y[i, :n] = prologue(x[i]) W^T (+ bias) (+ residual[i]) for every row i. Each element is computed with the same
+// operations whatever m is and however rows or tiles are split between threads.
+void linear(const PackedWeight& w, Compute compute, const LinearArgs& args);
+
+// rows [count, n ... ] of the dequantized weight W[ids[i], :k] as float32 (embedding lookups from a tied weight).
+void weight_rows(const PackedWeight& w, const int64_t* ids, int64_t count, float* out, int64_t out_stride);
+
+bool native_bf16();  // compiled with AVX512-BF16 products
+
+}  // namespace lmrpc

@@ -1,0 +1,111 @@
+"""lmrpc's own CPU kernels (csrc/): built once for this machine with the system compiler, cached, loaded.
+
+The build goes into `<cache>/kernels/<key>/`, keyed by the sources, the compiler flags, torch's version and the CPU's
+instruction-set flags, so a restart loads the built library in about a second and a changed CPU or source builds
+anew. `-march=native` lets the compiler use what this CPU has (the AVX512-BF16 paths when present, portable C++
+loops otherwise); `-ffp-contract=off` keeps every multiply-add as written, so the same source gives the same bits.
+
+`load()` returns the module, or raises `NativeKernelsUnavailable` with the reason (no compiler, a build error); the
+caller decides whether to fall back. `LMRPC_NATIVE_KERNELS=0` turns them off; `LMRPC_KERNEL_ARCH=generic` builds
+the portable loops only (tests use it to check both paths).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("module.cpp", "linear.cpp", "attention.cpp")
+HEADERS = ("common.h", "linear.h", "attention.h")
+CSRC = Path(__file__).parent / "csrc"
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """The native CPU kernels cannot be used here (the message says why)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _arch() -> str:
+    return os.environ.get("LMRPC_KERNEL_ARCH", "native")
+
+
+def _cflags(arch: str) -> list[str]:
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
+    if arch == "native":
+        flags.append("-march=native")
+    return flags
+
+
+def build_key(arch: str) -> str:
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join(_cflags(arch)).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LMRPC_CACHE") or Path.home() / ".cache" / "lmrpc") / "kernels"
+
+
+def enabled() -> bool:
+    return os.environ.get("LMRPC_NATIVE_KERNELS", "1") != "0"
+
+
+@functools.cache
+def load() -> ModuleType:
+    """Build (first time on this machine) and import the kernels module."""
+    if not enabled():
+        raise NativeKernelsUnavailable("turned off by LMRPC_NATIVE_KERNELS=0")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise NativeKernelsUnavailable("no C++ compiler (c++ or $CXX) on PATH")
+    from torch.utils import cpp_extension
+
+    arch = _arch()
+    key = build_key(arch)
+    directory = cache_dir() / key
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    fresh = not any(directory.glob("*.so"))
+    try:
+        module = cpp_extension.load(
+            name=f"lmrpc_cpu_{key}",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=_cflags(arch),
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as e:  # a compiler error, a missing ninja, a broken toolchain
+        raise NativeKernelsUnavailable(f"building the CPU kernels failed: {e}") from e
+    if fresh:
+        logger.info("built lmrpc's CPU kernels in %.1f s (%s, cached in %s)", time.monotonic() - started,
+                    "AVX512-BF16" if module.native_bf16() else "portable", directory)
+    return module
+
+
+def available() -> bool:
+    try:
+        load()
+    except NativeKernelsUnavailable:
+        return False
+    return True

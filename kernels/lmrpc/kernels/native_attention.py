@@ -1,0 +1,83 @@
+"""The CPU attention backend over lmrpc's native kernels (csrc/attention.cpp): RoPE fused with the cache write, and
+paged attention that computes each query alone, in one fixed order, so a token's output never depends on the
+chunk, the batch or the thread that computed it.
+
+Cache layout per layer (page size P, a multiple of 16): keys [pages, kv_heads, head_dim, P] (transposed within a
+page, so 16 keys' scores are one vector product), values [pages, kv_heads, P, head_dim].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lmrpc.kernels import native
+from lmrpc.kernels.paged import AttentionShape, ChunkSpec, QKNorm, Rope
+
+PAGE_MULTIPLE = 16  # the kernels read keys 16 at a time
+
+
+@dataclass(frozen=True)
+class NativePlan:
+    """One step's metadata for the native kernels."""
+
+    positions: torch.Tensor  # [T] int64 position of each token
+    slots: torch.Tensor  # [T] int64 page * page_size + offset where each token's key and value go
+    block_table: torch.Tensor  # [sequences, width] int32 page ids (rows padded with page 0)
+    token_seq: torch.Tensor  # [T] int32 row of block_table of each token
+    token_ctx: torch.Tensor  # [T] int32 keys each token sees (its position + 1)
+
+
+class NativeAttention:
+    """The AttentionBackend of CPUs with the native kernels (see the module doc)."""
+
+    def __init__(self, shape: AttentionShape, rope: Rope, dtype: torch.dtype, num_pages: int, page_size: int) -> None:
+        if page_size % PAGE_MULTIPLE:
+            raise ValueError(f"the native attention kernels need a page size that is a multiple of {PAGE_MULTIPLE}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the native attention kernels store float32 or bfloat16, not {dtype}")
+        self._ops = native.load()
+        self.shape = shape
+        self.rope = rope
+        self.dtype = dtype
+        self.num_pages = num_pages
+        self.page_size = page_size
+        s = shape
+        self.keys = torch.zeros(s.layers, num_pages, s.kv_heads, s.head_dim, page_size, dtype=dtype)
+        self.values = torch.zeros(s.layers, num_pages, s.kv_heads, page_size, s.head_dim, dtype=dtype)
+
+    def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor) -> NativePlan:
+        p = self.page_size
+        width = max(len(c.pages) for c in chunks)
+        table = torch.zeros(len(chunks), width, dtype=torch.int32)
+        slots: list[int] = []
+        token_seq: list[int] = []
+        for i, c in enumerate(chunks):
+            table[i, : len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
+            slots.extend(c.pages[q // p] * p + q % p for q in range(c.start, c.start + c.num_tokens))
+            token_seq.extend([i] * c.num_tokens)
+        return NativePlan(
+            positions=positions,
+            slots=torch.tensor(slots, dtype=torch.int64),
+            block_table=table,
+            token_seq=torch.tensor(token_seq, dtype=torch.int32),
+            token_ctx=(positions + 1).to(torch.int32),
+        )
+
+    def __call__(self, layer: int, qkv: torch.Tensor, plan: NativePlan, qk_norm: QKNorm | None) -> torch.Tensor:
+        s = self.shape
+        t = qkv.shape[0]
+        q = torch.empty(t, s.heads, s.head_dim)  # [T, heads, head_dim] rotated queries
+        keys, values = self.keys[layer], self.values[layer]
+        self._ops.rope_store(qkv, s.heads, plan.positions, self.rope.cos, self.rope.sin,
+                             None if qk_norm is None else qk_norm.q, None if qk_norm is None else qk_norm.k,
+                             s.qk_norm_eps, plan.slots, keys, values, q)
+        out = torch.empty(t, s.heads * s.head_dim)  # [T, heads * head_dim]
+        self._ops.paged_attention(q, keys, values, plan.block_table, plan.token_seq, plan.token_ctx, s.scale, out)
+        return out
+
+    def copy_prefix(self, src_page: int, dst_page: int, num_tokens: int) -> None:
+        self.keys[:, dst_page, :, :, :num_tokens] = self.keys[:, src_page, :, :, :num_tokens]
+        self.values[:, dst_page, :, :num_tokens] = self.values[:, src_page, :, :num_tokens]

@@ -1,0 +1,219 @@
+"""lmrpc's native CPU kernels: products in every weight format against their dequantized reference, row invariance
+(a row's bits never depend on the other rows), the fused prologues and epilogue, GGUF blocks repacked code for code,
+and paged attention against naive attention and invariant to how queries are batched or chunked. The portable build
+(no AVX512) is checked too, in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmrpc.kernels import native, packing
+from lmrpc.kernels.native_attention import NativeAttention
+from lmrpc.kernels.packing import Compute, PackedWeight
+from lmrpc.kernels.paged import AttentionShape, ChunkSpec, QKNorm, Rope
+from lmrpc.kernels.torch_attention import apply_rope, rms_norm
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
+
+
+def op(p: PackedWeight, compute: Compute, bias: torch.Tensor | None = None) -> object:
+    return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
+                                      p.offset, bias)
+
+
+def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def gguf_q4_1_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> np.ndarray:
+    """GGUF Q4_1 bytes of codes [n, k] (block j: fp16 d, fp16 m, 16 bytes: element i low nibble, i + 16 high)."""
+    n, k = codes.shape
+    blocks = codes.view(n, k // 32, 32).to(torch.uint8)
+    qs = (blocks[..., :16] | (blocks[..., 16:] << 4)).numpy()
+    out = np.concatenate([d.half().numpy().view(np.uint8).reshape(n, k // 32, 2),
+                          m.half().numpy().view(np.uint8).reshape(n, k // 32, 2), qs], axis=-1)
+    return out.reshape(n, -1)
+
+
+FORMATS = {
+    "f32": (lambda w: packing.pack_dense(w), Compute.F32),
+    "bf16": (lambda w: packing.pack_dense(w.bfloat16()), Compute.BF16),
+    "int4-bf16": (packing.quantize_int4, Compute.BF16),
+    "int4-f32": (packing.quantize_int4, Compute.F32),
+    "int8-bf16": (packing.quantize_int8, Compute.BF16),
+    "int8-f32": (packing.quantize_int8, Compute.F32),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("shape", [(200, 96), (64, 576), (1000, 60)], ids=str)
+def test_products_equal_the_dequantized_weight_and_rows_are_independent(fmt: str, shape: tuple[int, int]) -> None:
+    make, compute = FORMATS[fmt]
+    n, k = shape
+    p = make(weight(n, k))
+    lin = op(p, compute)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(1))
+    # The reference: float64 products of the dequantized weight with the inputs as the kernel sees them.
+    xin = x.bfloat16().float() if compute == Compute.BF16 else x
+    expected = xin.double() @ packing.dequantize(p).double().T
+    y = lin.forward(x)
+    torch.testing.assert_close(y.double(), expected, atol=2e-5, rtol=1e-4)
+    # Every row alone, and every leading block of rows, gives exactly the rows of the full product.
+    for i in range(37):
+        assert torch.equal(lin.forward(x[i : i + 1]), y[i : i + 1]), i
+    for rows in (2, 3, 4, 5, 8, 9, 17, 33):
+        assert torch.equal(lin.forward(x[:rows]), y[:rows]), rows
+
+
+@pytest.mark.parametrize("compute", [Compute.BF16, Compute.F32])
+def test_fused_norm_silu_bias_and_residual(compute: Compute) -> None:
+    n, k = 96, 64
+    p = packing.quantize_int4(weight(n, k))
+    bias = torch.randn(n)
+    lin, plain = op(p, compute, bias), op(p, compute)
+    g = torch.Generator().manual_seed(2)
+    x, norm, residual = torch.randn(7, k, generator=g), torch.randn(k, generator=g), torch.randn(7, n, generator=g)
+    rounded = (lambda t: t.bfloat16().float()) if compute == Compute.BF16 else (lambda t: t)
+    w = packing.dequantize(p).double()
+    normed = lin.forward(x, norm_weight=norm, eps=1e-5)
+    ref = rounded(rms_norm(x, norm, 1e-5)).double() @ w.T + bias.double()
+    torch.testing.assert_close(normed.double(), ref, atol=2e-5, rtol=1e-4)
+    gate_up = torch.randn(7, 2 * k, generator=g)
+    silu = plain.forward(gate_up, silu=True)
+    ref = rounded(F.silu(gate_up[:, :k]) * gate_up[:, k:]).double() @ w.T
+    torch.testing.assert_close(silu.double(), ref, atol=2e-5, rtol=1e-4)
+    # The residual is added after the bias, to the same product.
+    assert torch.equal(lin.forward(x, residual=residual), (plain.forward(x) + bias) + residual)
+
+
+def test_gguf_blocks_are_repacked_code_for_code() -> None:
+    n, k = 64, 128
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d, m = torch.rand(n, k // 32, generator=g).half().float(), -torch.rand(n, k // 32, generator=g).half().float()
+    p = packing.pack_gguf(packing.GGUF_Q4_1, gguf_q4_1_blocks(codes, d, m), n, k)
+    assert p.label == "q4_1"
+    expected = torch.addcmul(m.repeat_interleave(32, 1), codes.float(), d.repeat_interleave(32, 1))
+    assert torch.equal(packing.dequantize(p), expected)
+    # Rows read back for embedding lookups are the same values.
+    assert torch.equal(op(p, Compute.F32).rows(torch.tensor([0, 17, 63])), expected[[0, 17, 63]])
+    # Q8_0 blocks: fp16 scale then 32 int8 codes.
+    q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    raw = np.concatenate([d.half().numpy().view(np.uint8).reshape(n, k // 32, 2),
+                          q8.numpy().view(np.uint8).reshape(n, k // 32, 32)], axis=-1).reshape(n, -1)
+    p8 = packing.pack_gguf(packing.GGUF_Q8_0, raw, n, k)
+    assert p8.label == "q8_0"
+    assert torch.equal(packing.dequantize(p8), q8.float() * d.repeat_interleave(32, 1))
+
+
+def test_stacking_and_row_permutation_keep_the_codes() -> None:
+    parts = [packing.quantize_int4(weight(n, 64, seed)) for seed, n in enumerate((40, 24, 24))]
+    stacked = packing.concat_rows(parts)
+    assert torch.equal(packing.dequantize(stacked), torch.cat([packing.dequantize(p) for p in parts]))
+    order = torch.randperm(88, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(packing.dequantize(packing.permute_rows(stacked, order)), packing.dequantize(stacked)[order])
+
+
+# ---- attention ---------------------------------------------------------------------------------------------------
+
+SHAPE = AttentionShape(layers=1, heads=6, kv_heads=2, head_dim=64, scale=64**-0.5, qk_norm_eps=1e-6)
+
+
+def rope(positions: int, head_dim: int) -> Rope:
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, head_dim, 2)
+                                                                                       / head_dim))
+    angles = torch.cat([angles, angles], dim=-1)
+    sin = angles.sin()
+    half = head_dim // 2
+    return Rope(angles.cos().contiguous(), torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).contiguous())
+
+
+def naive(qkv: torch.Tensor, positions: torch.Tensor, rot: Rope, norm: QKNorm | None, stored: torch.dtype,
+          shape: AttentionShape) -> torch.Tensor:
+    """Causal attention of one sequence whose tokens are all in qkv [T, width] (positions 0..T-1), keys and values
+    rounded to the cache dtype as the cache stores them."""
+    s = shape
+    t = qkv.shape[0]
+    q, k, v = qkv.split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
+    q, k, v = q.reshape(t, s.heads, -1), k.reshape(t, s.kv_heads, -1), v.reshape(t, s.kv_heads, -1)
+    if norm is not None:
+        q, k = rms_norm(q, norm.q, s.qk_norm_eps), rms_norm(k, norm.k, s.qk_norm_eps)
+    cos, sin = rot.cos[positions].unsqueeze(1), rot.sin[positions].unsqueeze(1)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = k.to(stored).float(), v.to(stored).float()
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                         scale=s.scale, enable_gqa=True)  # [heads, T, head_dim]
+    return out.transpose(0, 1).reshape(t, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_equals_naive_and_ignores_how_queries_are_grouped(dtype: torch.dtype, qk_norm: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    lengths = (1, 15, 16, 17, 50, 70)  # inside one page, exactly one, across pages
+    rot = rope(128, SHAPE.head_dim)
+    norm = QKNorm(torch.rand(64, generator=g) + 0.5, torch.rand(64, generator=g) + 0.5) if qk_norm else None
+    seqs = [torch.randn(n, SHAPE.qkv_width, generator=g) for n in lengths]
+    pages = torch.randperm(64, generator=g).tolist()
+    tables = [pages[8 * i : 8 * i + 8] for i in range(len(lengths))]  # scrambled, non-contiguous page tables
+
+    def run(groups: list[list[tuple[int, int, int]]]) -> dict[tuple[int, int], torch.Tensor]:
+        """Steps of chunks (sequence, start, count) in order; the output row of each (sequence, position)."""
+        backend = NativeAttention(SHAPE, rot, dtype, num_pages=64, page_size=16)
+        rows: dict[tuple[int, int], torch.Tensor] = {}
+        for step in groups:
+            chunks = [ChunkSpec(start, count, tables[i]) for i, start, count in step]
+            positions = torch.cat([torch.arange(start, start + count) for _, start, count in step])
+            qkv = torch.cat([seqs[i][start : start + count] for i, start, count in step])
+            out = backend(0, qkv, backend.plan(chunks, positions), norm)
+            flat = [(i, p) for i, start, count in step for p in range(start, start + count)]
+            rows.update({key: out[j] for j, key in enumerate(flat)})
+        return rows
+
+    # One prefill step with every whole sequence; then each sequence alone, token by token (as decodes).
+    together = run([[(i, 0, n) for i, n in enumerate(lengths)]])
+    decoded = run([[(i, p, 1)] for i, n in enumerate(lengths) for p in range(n)])
+    # Uneven chunks, sequences interleaved in different steps.
+    chunked = run([[(5, 0, 33), (3, 0, 16)], [(0, 0, 1), (5, 33, 37), (3, 16, 1)], [(1, 0, 15), (2, 0, 16),
+                   (4, 0, 49)], [(4, 49, 1)]])
+    for i, n in enumerate(lengths):
+        ours = torch.stack([together[(i, p)] for p in range(n)])
+        expected = naive(seqs[i], torch.arange(n), rot, norm, dtype, SHAPE)
+        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+        for p in range(n):
+            assert torch.equal(decoded[(i, p)], together[(i, p)]), (i, p)
+            assert torch.equal(chunked[(i, p)], together[(i, p)]), (i, p)
+
+
+def test_prefix_copy_moves_keys_and_values_of_every_layer() -> None:
+    shape = AttentionShape(layers=2, heads=2, kv_heads=1, head_dim=16, scale=0.25)
+    backend = NativeAttention(shape, rope(64, 16), torch.float32, num_pages=4, page_size=16)
+    backend.keys.normal_()
+    backend.values.normal_()
+    backend.copy_prefix(1, 3, 5)
+    assert torch.equal(backend.keys[:, 3, :, :, :5], backend.keys[:, 1, :, :, :5])
+    assert torch.equal(backend.values[:, 3, :, :5], backend.values[:, 1, :, :5])
+
+
+@pytest.mark.slow
+def test_the_portable_build_gives_the_same_guarantees(tmp_path: os.PathLike[str]) -> None:
+    """The kernels built without -march=native (the portable loops a CPU without AVX512-BF16 runs) pass the same
+    reference and invariance checks."""
+    env = {**os.environ, "LMRPC_KERNEL_ARCH": "generic"}
+    here = os.path.abspath(__file__)
+    script = (
+        "import sys, pytest\n"
+        "from lmrpc.kernels import native\n"
+        "assert not native.load().native_bf16(), 'expected the portable build'\n"
+        f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', {here!r}, '-k', "
+        "'not portable and (f32 or int4-bf16 or int8-bf16 or fused or attention)']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
