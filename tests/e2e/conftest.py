@@ -79,15 +79,3 @@ def launch_server() -> Callable[..., RunningServer]:
     """start_server for tests that need a server with flags of their own (they stop it themselves)."""
     return start_server
 
-
-def _warm(client: Client, prompt: str) -> None:
-    client.generate(prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})
-
-
-@pytest.fixture(scope="session")
-def warm_prefix_cache() -> Callable[[Client, str], None]:
-    """Put a prompt in the prefix cache, so that every later call computes it the same way (all but its last
-    token from the cache). In half precision a prompt computed afresh and one served from the cache run through
-    different attention kernels and may differ in the last bits, enough to flip a near-tie greedy token (see
-    docs/architecture.md, Precision on CPU): tests comparing two calls warm the cache first, so both take one route."""
-    return _warm

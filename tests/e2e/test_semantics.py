@@ -41,9 +41,8 @@ def stub(server) -> Iterator[generate_pb2_grpc.GenerateServiceStub]:  # type: ig
     "日本語の文章: 今日は",
 ])
 @pytest.mark.parametrize("params", [greedy(24), {"max_new_tokens": 24, "temperature": 1.3, "sampling_seed": 11}])
-def test_stream_concatenates_to_the_merged_output(client: Client, prompt: str, params: dict[str, object],
-                                                  warm_prefix_cache: Callable[[Client, str], None]) -> None:
-    warm_prefix_cache(client, prompt)
+def test_stream_concatenates_to_the_merged_output(client: Client, prompt: str, params: dict[str, object]) -> None:
+    # Cold: the streamed call computes the prompt, the merged one is a prefix-cache hit; the outputs still agree.
     deltas = list(client.generate(prompt, sampling_params=params, stream=True))
     [merged] = client.generate(prompt, sampling_params=params)
     assert "".join(d.text for d in deltas) == merged.text
@@ -58,10 +57,8 @@ def _greedy_text(client: Client, prompt: str, n: int) -> GenerateResult:
     return r
 
 
-def test_stop_string_trimmed_never_streamed_and_untrimmed_with_no_stop_trim(
-        client: Client, warm_prefix_cache: Callable[[Client, str], None]) -> None:
+def test_stop_string_trimmed_never_streamed_and_untrimmed_with_no_stop_trim(client: Client) -> None:
     prompt = "The capital of France is Paris. The capital of Germany is"
-    warm_prefix_cache(client, prompt)
     full = _greedy_text(client, prompt, 32).text
     stop = full[len(full) // 3 : len(full) // 3 + 4]  # spans token boundaries more often than not
     assert stop.strip(), full
@@ -94,9 +91,8 @@ def test_finish_eos_with_matched_id(client: Client) -> None:
     assert r.token_ids[-1] == EOS and "<|im_end|>" not in r.text
 
 
-def test_finish_stop_token(client: Client, warm_prefix_cache: Callable[[Client, str], None]) -> None:
+def test_finish_stop_token(client: Client) -> None:
     prompt = "One, two, three, four,"
-    warm_prefix_cache(client, prompt)
     ids = _greedy_text(client, prompt, 8).token_ids
     target = ids[3]
     [r] = client.generate(prompt, sampling_params=greedy(8, stop_token_ids=[target]))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -40,8 +38,7 @@ def test_non_stream_one_message_per_index(server) -> None:
         assert m.usage.prompt_tokens > 0
 
 
-def test_greedy_stream_equals_non_stream(client: Client, warm_prefix_cache: Callable[[Client, str], None]) -> None:
-    warm_prefix_cache(client, "Once upon a time")
+def test_greedy_stream_equals_non_stream(client: Client) -> None:
     streamed = "".join(d.text for d in client.generate("Once upon a time", sampling_params=GREEDY, stream=True))
     [merged] = client.generate("Once upon a time", sampling_params=GREEDY)
     assert streamed == merged.text

@@ -53,12 +53,10 @@ def _trusted(pki: Pki) -> grpc.ChannelCredentials:
 
 
 def test_client_certificate_of_the_ca_is_served(tls_server: RunningServer, pki: Pki,
-                                                capsys: pytest.CaptureFixture[str],
-                                                warm_prefix_cache: Callable[[Client, str], None]) -> None:
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     with Client(tls_server.target, credentials=_trusted(pki), timeout=60) as client:
         assert client.health() is ServingStatus.SERVING
         assert client.health(SERVICE) is ServingStatus.SERVING
-        warm_prefix_cache(client, "The capital of France is")
         [result] = client.generate("The capital of France is", sampling_params=SHORT)
         assert result.finish.reason is not FinishReason.ERROR and result.text
         deltas = list(client.generate("The capital of France is", sampling_params=SHORT, stream=True))

@@ -444,8 +444,8 @@ async def test_tiny_model_obeys_every_kind(tiny_engine: AsyncEngine,
 
 
 @pytest.fixture(scope="module")
-def real_engine(smollm2_dir: Path) -> Iterator[AsyncEngine]:
-    eng = make_engine(smollm2_dir)
+def real_engine(smollm2_gguf: Path) -> Iterator[AsyncEngine]:
+    eng = make_engine(smollm2_gguf)
     yield eng
     eng.shutdown()
 

@@ -856,6 +856,8 @@ class GetModelInfoResponse(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    WEIGHT_FORMATS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Where the weights were loaded from (a directory or a GGUF file)."""
     served_model_name: _builtins.str
@@ -870,6 +872,10 @@ class GetModelInfoResponse(_message.Message):
     """The weights' data type (for example "bfloat16")."""
     device: _builtins.str
     """The device the model runs on (for example "cpu" or "cuda:0")."""
+    quantization: _builtins.str
+    """How the linear layers' weights are stored: "none" (dense, in dtype), "int8" or "int4" (weight-only
+    quantization: activations, the KV cache and sums stay in dtype). Set by the server's --quantization.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The model's end-of-sequence token ids."""
@@ -877,6 +883,13 @@ class GetModelInfoResponse(_message.Message):
     @_builtins.property
     def default_sampling_params(self) -> Global___SamplingParams:
         """Sampling parameters a request gets for the fields it leaves unset, as resolved for this model."""
+
+    @_builtins.property
+    def weight_formats(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every storage format among the linear layers' weights, for example ["q4_1", "q8_0"] for the bundled GGUF model
+        served as it is: "f32", "bf16", "q4_0", "q4_1" (4-bit codes in groups of 32), "q8_0" (8-bit in groups of 32),
+        "int8" (8-bit per output channel).
+        """
 
     def __init__(
         self,
@@ -890,10 +903,12 @@ class GetModelInfoResponse(_message.Message):
         architecture: _builtins.str = ...,
         dtype: _builtins.str = ...,
         device: _builtins.str = ...,
+        quantization: _builtins.str = ...,
+        weight_formats: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["default_sampling_params", b"default_sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "default_sampling_params", b"default_sampling_params", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_context_length", b"max_context_length", "model_path", b"model_path", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "default_sampling_params", b"default_sampling_params", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_context_length", b"max_context_length", "model_path", b"model_path", "quantization", b"quantization", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size", "weight_formats", b"weight_formats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -11,6 +11,7 @@ import sys
 from lmrpc.server.app import serve
 from lmrpc.server.config import (
     DTYPES,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -30,6 +31,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights dtype; auto (default): bfloat16 where it runs natively (CUDA, CPUs with "
                         "AVX512-BF16/AMX), else float32. bfloat16 elsewhere halves memory (float32 activations)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                   help="weight-only quantization of the linear layers (activations and the KV cache stay in "
+                        "--dtype). auto (default): a GGUF file's own Q4_0/Q4_1/Q8_0 blocks as they are (the bundled "
+                        "model: int4), else none; none: dense weights; int8: per-channel int8; int4: a GGUF file's "
+                        "4-bit blocks, or groups of 32 quantized at load. Any choice keeps a request's output "
+                        "independent of its batch; int8/int4 need the native CPU kernels")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
                    help="unset temperature/top_p/top_k/min_p/repetition_penalty come from the model's "
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     engine_config = EngineConfig(
-        model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device),
+        model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization),
         cache=CacheConfig(page_size=args.page_size, num_tokens=args.kv_cache_tokens),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   max_batched_tokens=args.max_batched_tokens,

@@ -7,6 +7,7 @@ from typing import Literal
 
 SamplingDefaultsSource = Literal["model", "openai"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -18,10 +19,15 @@ class ModelConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     cache_dir: str | None = None  # converted-model cache; None: $LMRPC_CACHE or ~/.cache/lmrpc
     served_model_name: str | None = None  # name reported by GetModelInfo; None: derived from the path
+    # weight-only quantization of the linear layers, one of QUANTIZATIONS; auto: a GGUF file's own formats where a
+    # kernel exists (the bundled model: its Q4_1 blocks), else none (see models/quantized.py)
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

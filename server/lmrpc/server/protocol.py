@@ -167,6 +167,8 @@ class ModelInfo:
     #   generation_config.json (only the keys it sets)
     dtype: str  # e.g. "bfloat16"
     device: str  # e.g. "cpu"
+    quantization: str = "none"  # "none", "int8" or "int4": how the linear weights are stored
+    weight_formats: tuple[str, ...] = ()  # storage formats among the linear weights, e.g. ("q4_1", "q8_0")
 
 
 @dataclass(frozen=True)

@@ -251,7 +251,8 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 min_new_tokens=0, n=1, ignore_eos=False, skip_special_tokens=True,
                 spaces_between_special_tokens=True, no_stop_trim=False,
             ),
-            architecture=info.architecture, dtype=info.dtype, device=info.device,
+            architecture=info.architecture, dtype=info.dtype, device=info.device, quantization=info.quantization,
+            weight_formats=info.weight_formats,
         )
 
     async def Tokenize(

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from lmrpc.server.config import EngineConfig
 from lmrpc.server.engine.detokenizer import OutputProcessor, decode_token
+from lmrpc.server.engine.executor import ForwardOutput, ModelExecutor, PromptLogits
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
 from lmrpc.server.engine.kv_cache import KVCacheManager
-from lmrpc.server.engine.runner import ForwardOutput, ModelRunner, PromptLogits
 from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
@@ -107,10 +107,10 @@ class Engine:
     ) -> None:
         self.info: ModelInfo = loaded.info
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(loaded, config.cache, config.scheduler)
-        kv = KVCacheManager(self.runner.num_pages, self.runner.page_size, config.cache.enable_prefix_cache)
+        self.executor = ModelExecutor(loaded, config.cache, config.scheduler)
+        kv = KVCacheManager(self.executor.num_pages, self.executor.page_size, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, kv)
-        self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.runner.device)
+        self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.executor.device)
         self.processors = processors
         self.grammar = grammar
         self._eos = frozenset(self.info.eos_token_ids)
@@ -176,7 +176,7 @@ class Engine:
         sampling = self._sampling_lives(batch)
         pending = self.masks.start([live.grammar for live in sampling])
         try:
-            forward = self.runner.forward(batch)
+            forward = self.executor.forward(batch)
         finally:
             masks = pending.wait()  # [rows, words] or None; waited for even if the forward failed
         self.scheduler.on_computed(batch)
@@ -208,7 +208,7 @@ class Engine:
         live = LiveRequest(
             seq=seq,
             sink=sink,
-            sampling=SamplingState(params, request.logprobs, self.info.vocab_size, self.runner.device),
+            sampling=SamplingState(params, request.logprobs, self.info.vocab_size, self.executor.device),
             output=OutputProcessor(self.tokenizer, request.prompt_ids, params, self.info.eos_token_ids),
             grammar=self._new_matcher(params.constraint),
             processor=(
@@ -271,7 +271,7 @@ class Engine:
             return results
         logits = forward.logits if len(keep) == len(lives) else forward.logits[keep]  # [rows, vocab]
         if masks is not None:
-            masks = masks.to(self.runner.device)
+            masks = masks.to(self.executor.device)
         rows = [
             SamplingRow(
                 state=lives[i].sampling,

@@ -1,5 +1,6 @@
-"""Runs a ScheduledBatch through the model: builds the flat input tensors and attention metadata, runs the
-forward pass over the paged KV cache, and returns the logits the sampler and prompt logprobs need."""
+"""The model executor: owns the model, its KV cache (through the model's attention backend) and one step's
+forward: a ScheduledBatch -> page copies, flat token ids and positions, the backend's plan, the forward pass, and
+the logits the sampler and prompt logprobs need (float32, only for the rows that need them)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lmrpc.kernels.attention import build_metadata, select_backend
+from lmrpc.kernels.paged import ChunkSpec
 from lmrpc.server.config import CacheConfig, SchedulerConfig
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, Sequence
+from lmrpc.server.models import ForwardContext
 from lmrpc.server.models.loader import LoadedModel
 
 MAX_AUTO_PAGES_TOKENS = 1 << 18  # cap of an automatically sized pool, in tokens
@@ -38,18 +40,13 @@ def _host_available_bytes() -> int:
     return 4 << 30
 
 
-class ModelRunner:
+class ModelExecutor:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, scheduler: SchedulerConfig) -> None:
         self.model = loaded.model
-        first = next(iter(loaded.model.parameters()))  # type: ignore[call-overload]
-        self.device: torch.device = first.device
-        self.dtype: torch.dtype = self.model.kv_dtype
+        self.device: torch.device = loaded.model.device
         self.vocab_size = loaded.info.vocab_size
         self.page_size = cache.page_size
-        # The backend first: on CUDA it allocates its workspace, which the pool sizing below must see as used.
-        self.attention = select_backend(self.device)
-        layers, kv_heads, head_dim = self.model.kv_shape
-        bytes_per_token = layers * 2 * kv_heads * head_dim * self.dtype.itemsize
+        bytes_per_token = self.model.kv_bytes_per_token
         if cache.num_tokens is not None:
             tokens = cache.num_tokens
         else:
@@ -57,41 +54,28 @@ class ModelRunner:
                     else _host_available_bytes())
             tokens = min(int(free * cache.memory_fraction) // bytes_per_token, MAX_AUTO_PAGES_TOKENS)
         self.num_pages = max(1, tokens // self.page_size)
-        # [layers, k/v, slots, kv_heads, head_dim]; slot = page * page_size + offset
-        self.kv_cache = torch.zeros(layers, 2, self.num_pages * self.page_size, kv_heads, head_dim,
-                                    dtype=self.dtype, device=self.device)
+        self.attention = self.model.make_attention(self.num_pages, self.page_size)  # allocates the KV cache
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
-        self._copy_pages(batch)
+        for copy in batch.copies:  # partial prefix-cache hits: the matched head of a cached page, into its own page
+            self.attention.copy_prefix(copy.src, copy.dst, copy.num_tokens)
         ids: list[int] = []
         positions: list[int] = []
         for c in batch.chunks:
             ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             positions.extend(range(c.start, c.start + c.num_tokens))
-        meta = build_metadata(
-            [(c.start, c.num_tokens, torch.tensor(c.seq.page_table, dtype=torch.int64)) for c in batch.chunks],
-            self.page_size, self.device, paged_layout=self.device.type == "cuda",  # flashinfer's page layout
-        )
-        hidden = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta,
-            self.kv_cache, self.attention,
-        )  # [T, hidden]
+        position_tensor = torch.tensor(positions, dtype=torch.int64)
+        chunks = [ChunkSpec(c.start, c.num_tokens, c.seq.page_table) for c in batch.chunks]
+        ctx = ForwardContext(self.attention, self.attention.plan(chunks, position_tensor))
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), ctx)  # [T, hidden]
         rows, prompt_spans = self._rows(batch)
-        logits = self.model.compute_logits(hidden[rows])  # [len(rows), vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [len(rows), vocab]
         sampling = logits[: sum(c.samples for c in batch.chunks)]
         prompt = tuple(
             PromptLogits(seq, first, logits[offset : offset + n]) for seq, first, offset, n in prompt_spans
         )
         return ForwardOutput(sampling, prompt)
-
-    def _copy_pages(self, batch: ScheduledBatch) -> None:
-        """Partial prefix-cache hits: copy the matched head of a cached page into the sequence's own page."""
-        p = self.page_size
-        for c in batch.copies:
-            # [layers, k/v, num_tokens, kv_heads, head_dim]
-            src, dst = c.src * p, c.dst * p
-            self.kv_cache[:, :, dst : dst + c.num_tokens] = self.kv_cache[:, :, src : src + c.num_tokens]
 
     def _rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]:
         """Hidden rows to project: the last row of each sampling chunk, then prompt-logprob rows."""

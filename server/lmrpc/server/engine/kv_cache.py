@@ -1,12 +1,12 @@
 """Paged KV-cache bookkeeping: a pool of fixed-size pages, per-sequence page tables, reference counts, and a
-prefix cache. Pure Python (no torch): the runner owns the tensors, this owns which page is whose.
+prefix cache. Pure Python (no torch): the executor owns the tensors, this owns which page is whose.
 
 A page is referenced by live sequences (`_seq_refs`) and possibly by the prefix cache. It is free when neither
 holds it; a page held only by the cache is evictable (LRU, leaves first, so every cached chain stays reachable).
 
 The cache is a tree of pages chained by content. Full pages are shared in place. A finished sequence's last,
 partly filled page is kept too (a partial leaf), and a new prompt that agrees with the first k tokens of any
-cached child page gets those k slots copied into a fresh page of its own (`PageCopy`, done by the runner before
+cached child page gets those k slots copied into a fresh page of its own (`PageCopy`, done by the executor before
 the step's forward), so reuse is token-granular: a repeated 1000-token prompt reuses 999 tokens, not 992.
 """
 

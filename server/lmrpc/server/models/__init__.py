@@ -1,37 +1,46 @@
-"""Model implementations, registered by the HF `architectures` name they serve."""
+"""Model implementations, registered by the HF `architectures` name they serve, and what the executor needs of
+them (`CausalLM`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
-from torch import nn
 
 if TYPE_CHECKING:
-    from lmrpc.kernels.attention import AttentionFn, AttentionMetadata
+    from lmrpc.kernels.paged import AttentionBackend
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What one step's forward needs besides its tokens: the KV cache's backend and its plan for this step."""
+
+    attention: AttentionBackend  # owns every layer's cache; runs a layer's attention
+    plan: Any  # the backend's metadata for this step (AttentionBackend.plan)
+
 
 class CausalLM(Protocol):
-    """What the runner needs from a model implementation."""
+    """What the executor needs from a model implementation."""
+
+    device: torch.device  # where it runs
 
     @property
-    def kv_shape(self) -> tuple[int, int, int]: ...  # (layers, kv_heads, head_dim)
+    def kv_bytes_per_token(self) -> int: ...  # KV cache bytes one position costs (all layers)
 
-    @property
-    def kv_dtype(self) -> torch.dtype: ...  # what the KV cache stores
+    def make_attention(self, num_pages: int, page_size: int) -> AttentionBackend: ...  # its KV cache and backend
 
-    def parameters(self) -> object: ...
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...  # [T] -> hidden [T, ...]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: torch.Tensor, attention: AttentionFn) -> torch.Tensor: ...  # [T] -> [T, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [N, hidden] -> [N, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [N, ...] -> [N, vocab] float32
 
 
-ModelT = TypeVar("ModelT", bound=type[nn.Module])
+ModelT = TypeVar("ModelT", bound=type)
 
-# Filled by the @register decorators of the model modules when `load_registry` imports them.
-REGISTRY: dict[str, type[nn.Module]] = {}
+# Filled by the @register decorators of the model modules when `load_registry` imports them. Each class is built as
+# cls(hf_config, weight_source, linear_builder).
+REGISTRY: dict[str, type[Any]] = {}
 
 
 def register(*architectures: str) -> Callable[[ModelT], ModelT]:
@@ -43,7 +52,7 @@ def register(*architectures: str) -> Callable[[ModelT], ModelT]:
     return wrap
 
 
-def load_registry() -> dict[str, type[nn.Module]]:
+def load_registry() -> dict[str, type[Any]]:
     """Import every model module (registering it) and return the registry."""
     from lmrpc.server.models import llama  # noqa: F401  (registers on import)
 

@@ -1,4 +1,7 @@
-"""The one interface every linear layer of our models goes through, so quantized weights can slot in.
+"""The one interface every linear layer of our models goes through (`LinearLayer`), and its torch implementation
+(`DenseLinear`), which serves where lmrpc's native CPU kernels don't (CUDA, or a CPU build without a compiler); the
+native one is `quantized.NativeLinear`. A call may fuse what surrounds a product in a decoder layer: an RMSNorm or
+SiLU-and-multiply of the input, and a residual added to the output.
 
 Precision on CPU: a half-precision model keeps its weights (and KV cache) in half precision, as `--dtype` asks, but
 carries activations in float32 (`activation_dtype`): norms, RoPE and residual sums stay exact, and each product
@@ -21,6 +24,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lmrpc.kernels.torch_attention import rms_norm
 
 # At or above this many rows, up-casting the weight (tile by tile) and running a float32 GEMM beats the
 # half-precision per-row kernel (measured on this CPU: break-even near 8 rows for a 3072x576 weight).
@@ -69,12 +74,21 @@ def _can_prepack() -> bool:
 
 
 class LinearLayer(Protocol):
-    """y = x @ W.T (+ b). Implementations may store W however they like (dense, int8, int4)."""
+    """y = prologue(x) @ W.T (+ b) (+ residual). Implementations store W as they like (dense, int8, int4)."""
 
     in_features: int
     out_features: int
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...  # [tokens, in] -> [tokens, out]
+    def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [tokens, in] ([tokens, 2 * in] with silu: gate | up) -> [tokens, out].
+
+        norm: RMSNorm weight [in] applied to x first (with eps); silu: x is gate | up, the product takes
+        silu(gate) * up; residual [tokens, out] is added to the result."""
+        ...
+
+
+
 
 
 class Workspace:
@@ -124,7 +138,17 @@ class DenseLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in] in the storage dtype; empty if packed
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None  # [out]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+    def forward(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:  # see LinearLayer
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
+        if silu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        y = self._product(x)
+        return y if residual is None else residual + y
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
         if x.dtype == self.storage_dtype and self.packed is None:
             return F.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))
         # Every route multiplies the same half-precision-rounded inputs and accumulates in float32. The native ones

@@ -1,24 +1,26 @@
 """Our Llama-family model (Llama/SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k norms).
 
-The forward pass takes a flat batch of tokens from many sequences with their positions; attention reads and
-writes the paged KV cache described by `AttentionMetadata`. Projections are fused (qkv, gate_up) so a layer is
-four matmuls, each through the `LinearLayer` interface.
+The forward pass takes a flat batch of tokens from many sequences; attention reads and writes the paged KV cache
+through the step's `ForwardContext` (backend + plan). A decoder layer is five calls: the fused qkv product (the
+input RMSNorm fused in), attention (q/k norms, RoPE, cache write), the output product (residual added), the fused
+gate_up product (the post-attention RMSNorm fused in) and the down product (SiLU-and-multiply fused in, residual
+added). Every product goes through `LinearLayer`, in whatever format `LinearBuilder` chose.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from lmrpc.kernels.attention import AttentionFn, AttentionMetadata
-from lmrpc.server.models import register
-from lmrpc.server.models.linear import DenseLinear, Workspace, activation_dtype
+from lmrpc.kernels.attention import select_backend
+from lmrpc.kernels.paged import AttentionBackend, AttentionShape, QKNorm, Rope
+from lmrpc.server.models import ForwardContext, register
+from lmrpc.server.models.linear import LinearLayer
+from lmrpc.server.models.quantized import LinearBuilder, NativeLinear
+from lmrpc.server.models.weights import WeightSource, stack_rows
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,8 @@ class LlamaShape:
         )
 
 
-def rope_tables(config: PretrainedConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim] float32, for any rope type transformers knows."""
+def rope_tables(config: PretrainedConfig, max_positions: int) -> Rope:
+    """RoPE tables for any rope type transformers knows (float32, sin signed: see torch_attention.apply_rope)."""
     params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
@@ -64,140 +66,123 @@ def rope_tables(config: PretrainedConfig, max_positions: int) -> tuple[torch.Ten
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())  # [pos, head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)  # [pos, head_dim]: the rotate-half layout
-    return angles.cos() * scale, angles.sin() * scale
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin [..., head_dim] -> the table apply_rope takes: its first half negated."""
+    sin = angles.sin() * scale
     half = sin.shape[-1] // 2
-    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate_half folded into the table
+    return Rope((angles.cos() * scale).contiguous(), signed.contiguous())
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim], sin from `signed_sin`.
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One layer's weights. Norm weights are float32 vectors fused into the products that read them."""
 
-    rotate_half(x) * sin == roll(x, half) * signed_sin(sin): the same products, in three ops instead of six (a
-    decode step's cost is mostly per-op overhead)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+    index: int  # its KV cache in the attention backend
+    input_norm: torch.Tensor  # [hidden]
+    post_attention_norm: torch.Tensor  # [hidden]
+    qk_norm: QKNorm | None  # Qwen3's per-head norms
+    qkv: LinearLayer  # [hidden] -> [(heads + 2 kv_heads) * head_dim]
+    o: LinearLayer  # [heads * head_dim] -> [hidden]
+    gate_up: LinearLayer  # [hidden] -> [2 * intermediate]
+    down: LinearLayer  # [intermediate] -> [hidden]
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Spelled out: on this CPU, F.rms_norm of one 576-wide row costs ~25 us, these few ops ~10 us.
-        # sum * (1 / n), not mean: mean is a sum and a division, one more op.
-        inv_rms = x.square().sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(self.eps).rsqrt_()  # [T, 1]
-        return x * inv_rms * self.weight
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, shape: LlamaShape, qkv: DenseLinear, o: DenseLinear, gate_up: DenseLinear,
-                 down: DenseLinear) -> None:
-        super().__init__()
-        self.shape = shape
-        self.input_norm = RMSNorm(shape.hidden, shape.eps)
-        self.post_attention_norm = RMSNorm(shape.hidden, shape.eps)
-        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
-        self.q_norm = RMSNorm(shape.head_dim, shape.eps) if shape.qk_norm else None
-        self.k_norm = RMSNorm(shape.head_dim, shape.eps) if shape.qk_norm else None
-        self.scale = shape.head_dim ** -0.5
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionFn) -> torch.Tensor:
-        """x [T, hidden] in the activation dtype; cos/sin [T, 1, head_dim] (sin signed, see apply_rope)."""
-        s = self.shape
-        t = x.shape[0]
-        q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        qk, v = self.qkv(self.input_norm(x)).split([q_width + kv_width, kv_width], dim=-1)
-        qk = qk.reshape(t, s.heads + s.kv_heads, s.head_dim)  # [T, heads + kv_heads, head_dim]
-        v = v.reshape(t, s.kv_heads, s.head_dim)  # [T, kv_heads, head_dim]
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, : s.heads]), self.k_norm(qk[:, s.heads :])], dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k rotated together: one pass instead of two
-        q, k = qk[:, : s.heads], qk[:, s.heads :]  # [T, heads, head_dim], [T, kv_heads, head_dim]
-        attn = attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, heads, head_dim]
-        x = x + self.o(attn.reshape(t, q_width))
-        # SiLU * up stays in the activation dtype: keeping the o and gate_up -> down outputs in bf16 on CPU (bf16
-        # element-wise ops, mixed-dtype residual sums) measured 0.9x at 32 sequences, conversions saved included
-        gate, up = self.gate_up(self.post_attention_norm(x)).chunk(2, dim=-1)  # [T, intermediate] each
-        return x + self.down(F.silu(gate) * up)
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext, eps: float) -> torch.Tensor:
+        """x [T, hidden] float32 -> [T, hidden]."""
+        qkv = self.qkv(x, norm=self.input_norm, eps=eps)  # [T, (heads + 2 kv_heads) * head_dim]
+        attn = ctx.attention(self.index, qkv, ctx.plan, self.qk_norm)  # [T, heads * head_dim]
+        x = self.o(attn, residual=x)
+        gate_up = self.gate_up(x, norm=self.post_attention_norm, eps=eps)  # [T, 2 * intermediate]
+        return self.down(gate_up, silu=True, residual=x)
 
 
 @register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-class LlamaForCausalLM(nn.Module):
-    """Built from an HF config and its safetensors weights (see `from_weights`)."""
+class LlamaForCausalLM:
+    """Built from an HF config and a weight source, every product in the builder's format."""
 
-    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__()
+    def __init__(self, config: PretrainedConfig, weights: WeightSource, builder: LinearBuilder) -> None:
         arch = (config.architectures or ["LlamaForCausalLM"])[0]
         self.shape = shape = LlamaShape.from_hf(config, qk_norm=arch == "Qwen3ForCausalLM")
+        self.device = builder.device
+        self.dtype = builder.dtype
         self.max_positions = int(config.max_position_embeddings)
-        # Matrices are stored in `dtype`; activations, norms and RoPE tables in `act` (see linear.py).
-        self.act = act = activation_dtype(dtype, device)
-        w = {name.removeprefix("model."): t.to(dtype) for name, t in weights.items()}
-        workspace = Workspace.for_device(device, dtype)
-        self.embed = nn.Embedding.from_pretrained(w["embed_tokens.weight"], freeze=True)
-        self.layers = nn.ModuleList(self._layer(shape, w, i, act, workspace) for i in range(shape.layers))
-        self.norm = RMSNorm(shape.hidden, shape.eps)
-        self.norm.weight.data = w["norm.weight"].to(act)
-        head = w["embed_tokens.weight"] if shape.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.lm_head = DenseLinear(head, workspace=workspace)
-        cos, sin = rope_tables(config, self.max_positions)
-        self.cos: torch.Tensor  # [max_positions, head_dim]
-        self.sin: torch.Tensor  # [max_positions, head_dim], first half negated
-        self.register_buffer("cos", cos.to(act), persistent=False)
-        self.register_buffer("sin", signed_sin(sin).to(act), persistent=False)  # signed: see apply_rope
-        self.to(device)
+        self.rope = rope_tables(config, self.max_positions)
+        head_name = "model.embed_tokens.weight"
+        if not shape.tie_embeddings and weights.has("lm_head.weight"):
+            head_name = "lm_head.weight"
+        self.lm_head = builder.build(weights.matrix(head_name), output=True)
+        self.norm = self._vector(weights, "model.norm.weight")
+        # Embedding rows: from the tied output projection when it can give rows (no second copy of the table).
+        self._embed_rows = self.lm_head if head_name.startswith("model.embed") and isinstance(
+            self.lm_head, NativeLinear) else None
+        self.embed: torch.Tensor | None = None  # [vocab, hidden] in the model dtype, when not read from lm_head
+        if self._embed_rows is None:
+            self.embed = weights.tensor("model.embed_tokens.weight").to(device=self.device, dtype=self.dtype)
+        self.layers = [self._layer(weights, builder, i) for i in range(shape.layers)]
 
-    @staticmethod
-    def _layer(shape: LlamaShape, w: dict[str, torch.Tensor], i: int, act: torch.dtype,
-               workspace: Workspace) -> DecoderLayer:
-        p = f"layers.{i}."
+    def _vector(self, weights: WeightSource, name: str) -> torch.Tensor:
+        return weights.tensor(name).to(device=self.device, dtype=torch.float32).contiguous()
 
-        def cat(names: Iterable[str]) -> torch.Tensor:
-            return torch.cat([w[p + n] for n in names], dim=0)
-
-        qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        bias = cat(n + ".bias" for n in qkv_names).to(act) if p + "self_attn.q_proj.bias" in w else None
-        layer = DecoderLayer(
-            shape,
-            qkv=DenseLinear(cat(n + ".weight" for n in qkv_names), bias, workspace),
-            o=DenseLinear(w[p + "self_attn.o_proj.weight"], workspace=workspace),
-            gate_up=DenseLinear(cat(("mlp.gate_proj.weight", "mlp.up_proj.weight")), workspace=workspace),
-            down=DenseLinear(w[p + "mlp.down_proj.weight"], workspace=workspace),
+    def _layer(self, w: WeightSource, builder: LinearBuilder, i: int) -> DecoderLayer:
+        p = f"model.layers.{i}."
+        qkv_names = [p + f"self_attn.{n}_proj" for n in ("q", "k", "v")]
+        bias = None
+        if w.has(qkv_names[0] + ".bias"):
+            bias = torch.cat([w.tensor(n + ".bias") for n in qkv_names]).float()
+        qk_norm = None
+        if self.shape.qk_norm:
+            qk_norm = QKNorm(self._vector(w, p + "self_attn.q_norm.weight"),
+                             self._vector(w, p + "self_attn.k_norm.weight"))
+        return DecoderLayer(
+            index=i,
+            input_norm=self._vector(w, p + "input_layernorm.weight"),
+            post_attention_norm=self._vector(w, p + "post_attention_layernorm.weight"),
+            qk_norm=qk_norm,
+            qkv=builder.build(stack_rows([w.matrix(n + ".weight") for n in qkv_names]), bias),
+            o=builder.build(w.matrix(p + "self_attn.o_proj.weight")),
+            gate_up=builder.build(stack_rows([w.matrix(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
+            down=builder.build(w.matrix(p + "mlp.down_proj.weight")),
         )
-        layer.input_norm.weight.data = w[p + "input_layernorm.weight"].to(act)
-        layer.post_attention_norm.weight.data = w[p + "post_attention_layernorm.weight"].to(act)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            layer.q_norm.weight.data = w[p + "self_attn.q_norm.weight"].to(act)
-            layer.k_norm.weight.data = w[p + "self_attn.k_norm.weight"].to(act)
-        return layer
+
+    def weight_formats(self) -> tuple[str, ...]:
+        """The storage formats among the linear layers (sorted), e.g. ("q4_1", "q8_0")."""
+        linears: list[LinearLayer] = [self.lm_head]
+        for layer in self.layers:
+            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        return tuple(sorted({_format_of(lin, self.dtype) for lin in linears}))
 
     @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(layers, kv_heads, head_dim) of the cache this model needs."""
-        return self.shape.layers, self.shape.kv_heads, self.shape.head_dim
+    def kv_bytes_per_token(self) -> int:
+        s = self.shape
+        return s.layers * 2 * s.kv_heads * s.head_dim * self.dtype.itemsize
+
+    def make_attention(self, num_pages: int, page_size: int) -> AttentionBackend:
+        """The KV cache in the model dtype, with the backend this device and build allow (attention.select_backend)."""
+        return select_backend(self.attention_shape, self.rope, self.dtype, self.device, num_pages, page_size)
 
     @property
-    def kv_dtype(self) -> torch.dtype:
-        """The KV cache is stored like the weights (half precision halves its memory)."""
-        return self.embed.weight.dtype
+    def attention_shape(self) -> AttentionShape:
+        s = self.shape
+        return AttentionShape(s.layers, s.heads, s.kv_heads, s.head_dim, s.head_dim ** -0.5, s.eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
-        """input_ids, positions [T]; kv_cache [layers, 2, slots, kv_heads, head_dim] -> hidden [T, hidden]."""
-        x = self.embed(input_ids).to(self.act)  # [T, hidden]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta, attention)
-        return self.norm(x)
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] -> hidden [T, hidden] float32 (before the final norm, which compute_logits applies)."""
+        x = self._embed_rows.rows(input_ids) if self._embed_rows is not None else self.embed_rows(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx, self.shape.eps)
+        return x
+
+    __call__ = forward
+
+    def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed is not None
+        return self.embed.index_select(0, input_ids).float()  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden] -> logits [N, vocab] float32 (final RMSNorm fused into the output projection)."""
+        return self.lm_head(hidden.contiguous(), norm=self.norm, eps=self.shape.eps).float()
+
+
+
+def _format_of(linear: LinearLayer, dtype: torch.dtype) -> str:
+    if isinstance(linear, NativeLinear):
+        return linear.weight.label
+    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]

@@ -1,4 +1,9 @@
-"""Find, convert (GGUF -> safetensors, once) and load a model with its tokenizer."""
+"""Find and load a model with its tokenizer.
+
+A GGUF file is read as it is (models/weights.py); its config and tokenizer are converted once into a small cache
+directory (no weights). Only an architecture with no native implementation, served by the transformers fallback,
+gets its GGUF weights dequantized into a safetensors copy.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,21 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
 from lmrpc.server.models import CausalLM, load_registry
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import resolve_dtype
+from lmrpc.server.models.quantized import LinearBuilder, Quantization
+from lmrpc.server.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
 from lmrpc.server.protocol import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -54,29 +62,60 @@ def cache_root(config: ModelConfig) -> Path:
     return Path(config.cache_dir or os.environ.get("LMRPC_CACHE") or Path.home() / ".cache" / "lmrpc")
 
 
-def resolve_model_path(config: ModelConfig) -> Path:
-    """A local HF model directory, as is; a GGUF file (or the default) converted once into the cache."""
+def _cache_target(config: ModelConfig, gguf: Path, kind: str) -> Path:
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{kind}".encode()).hexdigest()[:12]
+    return cache_root(config) / f"{gguf.stem}-{kind}-{digest}"
+
+
+def resolve_model_path(config: ModelConfig) -> tuple[Path, Path | None]:
+    """(HF directory with config and tokenizer, GGUF file or None). A local HF model directory is used as it is; a
+    GGUF file (or the default) gets its config and tokenizer converted once into the cache."""
     path = Path(config.path) if config.path else default_gguf()
     if path.is_dir():
-        return path
+        return path, None
     if path.suffix != ".gguf" or not path.is_file():
         raise FileNotFoundError(f"--model must be an HF model directory or a .gguf file: {path}")
-    stat = path.stat()
-    digest = hashlib.sha256(f"{path.name}:{stat.st_size}".encode()).hexdigest()[:12]
-    target = cache_root(config) / f"{path.stem}-{digest}"
+    target = _cache_target(config, path, "meta")
     if not (target / "config.json").exists():
-        convert_gguf(path, target)
-    return target
+        _convert_atomically(target, lambda tmp: _gguf_metadata(path, tmp))
+    return target, path
 
 
-def convert_gguf(gguf: Path, target: Path) -> None:
-    """De-quantize a GGUF file into a safetensors directory, atomically (a crash never leaves half a cache)."""
-    from transformers import AutoModelForCausalLM
-
-    logger.info("converting %s to %s (once)", gguf, target)
+def _convert_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """Write a cache directory through a temporary one, so a crash never leaves half of it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
+        write(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "config.json").exists():  # not another process that finished first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_metadata(gguf: Path, out: Path) -> None:
+    """A GGUF file's config, generation config and tokenizer as HF files (no weights)."""
+    from transformers import GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    logger.info("reading the config and tokenizer of %s (once)", gguf)
+    hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A config read from GGUF names no architecture; the causal-LM class of its model type is what it holds.
+    hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
+    hf_config.save_pretrained(out)
+    GenerationConfig.from_model_config(hf_config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    """De-quantize a GGUF file into a safetensors directory (for the transformers fallback), atomically."""
+    from transformers import AutoModelForCausalLM
+
+    def write(tmp: Path) -> None:
+        logger.info("converting %s to %s (once)", gguf, target)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # A GGUF-loaded model carries its quantizer; save_pretrained refuses until it is cleared.
         model.hf_quantizer = None  # type: ignore[assignment]
@@ -84,18 +123,8 @@ def convert_gguf(gguf: Path, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(file))
-    if not weights:
-        raise FileNotFoundError(f"no .safetensors weights in {path}")
-    return weights
+    _convert_atomically(target, write)
 
 
 def _generation_defaults(path: Path) -> dict[str, float]:
@@ -123,24 +152,43 @@ def pick_device(config: ModelConfig) -> torch.device:
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
-    path = resolve_model_path(config)
+    path, gguf = resolve_model_path(config)
     hf_config = AutoConfig.from_pretrained(path)
     arch = (hf_config.architectures or ["?"])[0]
     registry = load_registry()
     device = pick_device(config)
     dtype = resolve_dtype(config.dtype, device)
+    quantization = Quantization(config.quantization)
     model: CausalLM
+    formats: tuple[str, ...] = ()
     if arch in registry:
-        model = cast(CausalLM, registry[arch](hf_config, _read_weights(path), dtype, device).eval())
+        builder = LinearBuilder(quantization, dtype, device, native=_native_serves(device, dtype))
+        weights: WeightSource
+        if gguf is not None:
+            heads = hf_config.num_attention_heads
+            weights = GGUFWeights(gguf, heads, getattr(hf_config, "num_key_value_heads", None) or heads)
+        else:
+            weights = SafetensorsWeights(path)
+        built = registry[arch](hf_config, weights, builder)
+        model = cast(CausalLM, built)
+        formats = built.weight_formats()
     else:
+        if quantization in (Quantization.INT8, Quantization.INT4):
+            raise ValueError(f"--quantization {quantization.value} needs a native implementation; {arch} has none "
+                             f"(native: {', '.join(sorted(registry))})")
         logger.warning("no native implementation of %s (native: %s); using the slower transformers fallback",
                        arch, ", ".join(sorted(registry)))
-        model = HFCausalLM.from_pretrained(path, dtype, device)
+        weights_dir = path
+        if gguf is not None:
+            weights_dir = _cache_target(config, gguf, "weights")
+            if not (weights_dir / "config.json").exists():
+                convert_gguf(gguf, weights_dir)
+        model = HFCausalLM.from_pretrained(weights_dir, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     source = config.path or str(default_gguf())
     info = ModelInfo(
         path=source,
-        served_model_name=config.served_model_name or (DEFAULT_NAME if config.path is None else path.name),
+        served_model_name=config.served_model_name or (DEFAULT_NAME if config.path is None else _name_of(Path(source))),
         architecture=arch,
         vocab_size=int(hf_config.vocab_size),
         max_context_length=int(hf_config.max_position_embeddings),
@@ -148,5 +196,33 @@ def load_model(config: ModelConfig) -> LoadedModel:
         generation_defaults=_generation_defaults(path),
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
+        quantization=_quantization_name(formats),
+        weight_formats=formats,
     )
     return LoadedModel(model, tokenizer, info)
+
+
+def _name_of(source: Path) -> str:
+    """A directory's name, or a file's without its suffix."""
+    return source.name if source.is_dir() else source.stem
+
+
+def _native_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether lmrpc's native CPU kernels run this model's products (else torch's)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        native.load()
+    except native.NativeKernelsUnavailable as e:
+        logger.warning("lmrpc's native CPU kernels are unavailable (%s): products run in torch, slower, and a "
+                       "request's output may then depend on its batch", e)
+        return False
+    return True
+
+
+def _quantization_name(formats: tuple[str, ...]) -> str:
+    if any(f.startswith("q4") for f in formats):
+        return "int4"
+    if any(f in ("q8_0", "int8") for f in formats):
+        return "int8"
+    return "none"

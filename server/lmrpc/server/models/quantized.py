@@ -1,0 +1,105 @@
+"""Linear layers on lmrpc's native CPU kernels, and the choice of each weight's format (`--quantization`).
+
+`NativeLinear` runs `y = prologue(x) W^T (+ b) (+ residual)` with one kernel per weight format whatever the row
+count, each output row computed alone: batching never changes a row (see kernels/lmrpc/kernels/csrc/linear.h).
+
+Formats, by `--quantization`:
+- none: the checkpoint's values in the model dtype (bfloat16 weights take bfloat16 products; float32, float32).
+- int8: symmetric int8 per output channel, made here from the dense values.
+- int4: a GGUF file's own Q4_0/Q4_1 blocks as they are (its Q8_0 tensors too); from a dense checkpoint, asymmetric
+  int4 in groups of 32 (Q4_1's scheme), with the output projection in int8 (it decides every token; 4 bits cost it
+  most).
+- auto: a GGUF file's own formats where a kernel exists (Q4_0, Q4_1, Q8_0), everything else dense; a dense
+  checkpoint stays dense.
+Activations enter products rounded to bfloat16 when the model dtype is bfloat16, else in float32.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from lmrpc.kernels import native, packing
+from lmrpc.kernels.packing import Compute, PackedWeight
+from lmrpc.server.models.linear import DenseLinear, LinearLayer
+from lmrpc.server.models.weights import Matrix
+
+
+class Quantization(enum.Enum):
+    AUTO = "auto"
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+class NativeLinear:
+    """A LinearLayer over a packed weight (see the module doc)."""
+
+    def __init__(self, weight: PackedWeight, compute: Compute, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # the packed weight (kept for introspection; the kernel object holds its tensors)
+        self.compute = compute
+        self.in_features, self.out_features = weight.k, weight.n
+        self._op = native.load().PackedLinear(
+            int(weight.format), int(compute), weight.n, weight.k, weight.group, weight.q4_signed, weight.data,
+            weight.scale, weight.offset, None if bias is None else bias.float().contiguous(),
+        )
+
+    def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self._op.forward(x, norm_weight=norm, eps=eps, silu=silu, residual=residual)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the dequantized weight, float32 [len(ids), in] (embedding lookups of a tied weight)."""
+        return self._op.rows(ids)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._op.nbytes)
+
+
+@dataclass(frozen=True)
+class LinearBuilder:
+    """Makes every linear layer of a model in the format its quantization asks for."""
+
+    quantization: Quantization  # as asked (auto resolved per tensor)
+    dtype: torch.dtype  # the model dtype: dense weights, activations into products, the KV cache
+    device: torch.device
+    native: bool  # the native CPU kernels serve (else torch's DenseLinear)
+
+    def __post_init__(self) -> None:
+        if not self.native and self.quantization in (Quantization.INT8, Quantization.INT4):
+            raise ValueError(f"--quantization {self.quantization.value} needs lmrpc's native CPU kernels, which "
+                             f"serve only on CPU with a C++ compiler (device {self.device})")
+        if self.native and self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the native CPU kernels compute in float32 or bfloat16, not {self.dtype}")
+
+    @property
+    def compute(self) -> Compute:
+        return Compute.BF16 if self.dtype == torch.bfloat16 else Compute.F32
+
+    def build(self, weight: Matrix, bias: torch.Tensor | None = None, output: bool = False) -> LinearLayer:
+        """A layer for `weight` [out, in]; output: it is the output projection (int4 keeps it in 8 bits)."""
+        if not self.native:
+            dense = packing.dequantize(weight) if isinstance(weight, PackedWeight) else weight
+            return DenseLinear(dense.to(device=self.device, dtype=self.dtype),
+                               None if bias is None else bias.to(self.device))
+        return NativeLinear(self._pack(weight, output), self.compute, bias)
+
+    def _pack(self, weight: Matrix, output: bool) -> PackedWeight:
+        q = self.quantization
+        if isinstance(weight, PackedWeight):  # a GGUF file's own blocks
+            if q in (Quantization.AUTO, Quantization.INT4):
+                return weight
+            weight = packing.dequantize(weight)
+        if q == Quantization.INT8 or (q == Quantization.INT4 and output):
+            return packing.quantize_int8(weight)
+        if q == Quantization.INT4:
+            return packing.quantize_int4(weight)
+        return packing.pack_dense(weight.to(self.dtype))
+
+    def describe(self, formats: set[str]) -> str:
+        """What GetModelInfo reports: the formats the layers ended up in, e.g. "Q4_1+Q8_0" or "none"."""
+        quantized = sorted(f for f in formats if f not in ("F32", "BF16"))
+        return "+".join(quantized) if quantized else "none"

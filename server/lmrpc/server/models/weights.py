@@ -1,0 +1,141 @@
+"""Where a model's tensors come from: a Hugging Face safetensors directory, or a GGUF file read as it is.
+
+Both answer by Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`). A GGUF file's Q4_0, Q4_1
+and Q8_0 matrices are handed over as their own integer codes and scales (`PackedWeight`, never dequantized), so
+int4 serving uses exactly the file's weights; other tensors are dequantized to float32 with the gguf package.
+llama.cpp stores the rows of Llama's q and k projections interleaved for its RoPE; they are put back in Hugging
+Face's order here (a row permutation, on the codes as much as on dense values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import gguf
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from lmrpc.kernels import packing
+from lmrpc.kernels.packing import PackedWeight
+
+Matrix = torch.Tensor | PackedWeight  # a linear layer's weight [out, in]: dense values, or packed codes
+
+
+def stack_rows(parts: Sequence[Matrix]) -> Matrix:
+    """Weights stacked along their rows (fused qkv and gate_up products): dense values concatenated, packed codes
+    re-packed; parts stored in different formats (a GGUF file may do that) are stacked as dense values."""
+    dense = [p for p in parts if isinstance(p, torch.Tensor)]
+    if len(dense) == len(parts):
+        return torch.cat(dense)
+    packed = [p for p in parts if isinstance(p, PackedWeight)]
+    if len(packed) == len(parts) and packing.stackable(packed):
+        return packing.concat_rows(packed)
+    return torch.cat([packing.dequantize(p) if isinstance(p, PackedWeight) else p for p in parts])
+
+
+class WeightSource(Protocol):
+    def has(self, name: str) -> bool: ...
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A dense tensor in its stored float dtype (norms, biases, embeddings)."""
+        ...
+
+    def matrix(self, name: str) -> Matrix:
+        """A linear layer's weight [out, in]: dense, or packed codes when the source stores it quantized."""
+        ...
+
+
+class SafetensorsWeights:
+    """Every *.safetensors file of a directory, read lazily by name."""
+
+    def __init__(self, path: Path) -> None:
+        self._files: dict[str, Path] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                    self._files[key] = file
+        if not self._files:
+            raise FileNotFoundError(f"no .safetensors weights in {path}")
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def tensor(self, name: str) -> torch.Tensor:
+        with safe_open(self._files[name], "pt") as f:
+            return f.get_tensor(name)
+
+    def matrix(self, name: str) -> Matrix:
+        return self.tensor(name)
+
+
+# GGUF architecture names whose q/k rows llama.cpp's converter permutes (Llama's interleaved RoPE layout).
+_PERMUTED_QK_ARCHS = frozenset({"llama"})
+
+
+class GGUFWeights:
+    """The tensors of a GGUF file under Hugging Face names."""
+
+    def __init__(self, path: Path, heads: int, kv_heads: int) -> None:
+        self._reader = gguf.GGUFReader(str(path))
+        arch_field = self._reader.fields["general.architecture"]
+        self.arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        arch_ids = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+        if self.arch not in arch_ids:
+            raise ValueError(f"unknown GGUF architecture {self.arch!r}")
+        blocks = self._field_int(f"{self.arch}.block_count")
+        self._map = gguf.get_tensor_name_map(arch_ids[self.arch], blocks)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._heads, self._kv_heads = heads, kv_heads
+
+    def _field_int(self, key: str) -> int:
+        field = self._reader.fields[key]
+        return int(field.parts[field.data[0]][0])
+
+    def _gguf_name(self, name: str) -> str | None:
+        base, _, suffix = name.rpartition(".")  # "...q_proj", "weight"
+        mapped = self._map.get_name(base)
+        if mapped is None:
+            return None
+        full = f"{mapped}.{suffix}"
+        return full if full in self._tensors else None
+
+    def has(self, name: str) -> bool:
+        return self._gguf_name(name) is not None
+
+    def _raw(self, name: str) -> gguf.ReaderTensor:
+        mapped = self._gguf_name(name)
+        if mapped is None:
+            raise KeyError(f"{name} is not in the GGUF file")
+        return self._tensors[mapped]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self._raw(name)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a writable copy
+        return self._unpermute(name, out)
+
+    def matrix(self, name: str) -> Matrix:
+        t = self._raw(name)
+        if int(t.tensor_type) not in packing.GGUF_BLOCK_BYTES:
+            return self.tensor(name)
+        n, k = int(t.shape[1]), int(t.shape[0])
+        packed = packing.pack_gguf(int(t.tensor_type), np.asarray(t.data), n, k)
+        order = self._row_order(name, n)
+        return packed if order is None else packing.permute_rows(packed, order)
+
+    def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
+        """HF row r of a permuted q/k projection is GGUF row order[r] (see the module doc)."""
+        if self.arch not in _PERMUTED_QK_ARCHS or not name.endswith(("q_proj.weight", "k_proj.weight")):
+            return None
+        heads = self._heads if name.endswith("q_proj.weight") else self._kv_heads
+        head_dim = rows // heads
+        h, e, i = torch.meshgrid(torch.arange(heads), torch.arange(2), torch.arange(head_dim // 2), indexing="ij")
+        return (h * head_dim + 2 * i + e).reshape(-1)
+
+    def _unpermute(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        order = self._row_order(name, values.shape[0]) if values.dim() == 2 else None
+        return values if order is None else values[order]
