@@ -7,7 +7,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define LMRPC_AVX512 1
@@ -123,6 +125,33 @@ inline float row_inv_rms(const float* x, int64_t k, float eps) {
 #endif
   return 1.0f / std::sqrt(ss * (1.0f / static_cast<float>(k)) + eps);
 }
+
+// Scratch memory aligned to a cache line: 64-byte vectors stored to and loaded from it never straddle two lines
+// (a split store defeats store-to-load forwarding, and the kernels reload what they just wrote).
+template <typename T>
+class AlignedBuffer {
+ public:
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  // At least n elements (contents not kept), zero-filled when asked.
+  void resize(size_t n, bool zero = false) {
+    if (n > capacity_) {
+      const size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+      data_.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
+      capacity_ = bytes / sizeof(T);
+    }
+    size_ = n;
+    if (zero) std::memset(static_cast<void*>(data_.get()), 0, n * sizeof(T));
+  }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> data_;
+  size_t size_ = 0, capacity_ = 0;
+};
 
 // [begin, end) of part `index` when `total` items are split into `parts` contiguous parts.
 inline void split_range(int64_t total, int parts, int index, int64_t* begin, int64_t* end) {

@@ -53,34 +53,40 @@ void prologue_row(const LinearArgs& a, int64_t i, int64_t k, float* out) {
 // The rows as the products read them: xq [m][k_pad] (uint16 bf16 or float), and group sums [m][groups] of the
 // values as rounded (only for weights with offsets).
 struct Inputs {
-  std::vector<uint16_t> bf16;
-  std::vector<float> f32;
-  std::vector<float> sums;
+  AlignedBuffer<uint16_t> bf16;
+  AlignedBuffer<float> f32;
+  AlignedBuffer<float> sums;
 };
 
 void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a, Inputs* in) {
   const int64_t k = w.k, kp = w.k_pad, groups = w.k_pad / w.group;
-  if (compute == Compute::BF16) in->bf16.assign(a.m * kp, 0); else in->f32.assign(a.m * kp, 0.0f);
-  if (w.offset != nullptr) in->sums.assign(a.m * groups, 0.0f);
+  if (compute == Compute::BF16) in->bf16.resize(a.m * kp, true); else in->f32.resize(a.m * kp, true);
+  if (w.offset != nullptr) in->sums.resize(a.m * groups, true);
   const int64_t parts = a.m >= 8 ? omp_get_max_threads() : 1;
-#pragma omp parallel for num_threads(parts) schedule(static)
-  for (int64_t i = 0; i < a.m; ++i) {
-    std::vector<float> row(kp, 0.0f);
-    prologue_row(a, i, k, row.data());
-    if (compute == Compute::BF16) {
-      uint16_t* out = in->bf16.data() + i * kp;
-      for (int64_t j = 0; j < k; ++j) {
-        out[j] = f32_to_bf16(row[j]);
-        row[j] = bf16_to_f32(out[j]);  // the value the products see, for the group sums
+#pragma omp parallel num_threads(parts)
+  {
+    AlignedBuffer<float> buffer;
+    buffer.resize(kp);
+    float* row = buffer.data();
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < a.m; ++i) {
+      std::fill(row + k, row + kp, 0.0f);
+      prologue_row(a, i, k, row);
+      if (compute == Compute::BF16) {
+        uint16_t* out = in->bf16.data() + i * kp;
+        for (int64_t j = 0; j < k; ++j) {
+          out[j] = f32_to_bf16(row[j]);
+          row[j] = bf16_to_f32(out[j]);  // the value the products see, for the group sums
+        }
+      } else {
+        std::memcpy(in->f32.data() + i * kp, row, k * sizeof(float));
       }
-    } else {
-      std::memcpy(in->f32.data() + i * kp, row.data(), k * sizeof(float));
-    }
-    if (w.offset != nullptr) {
-      for (int64_t g = 0; g < groups; ++g) {
-        float s = 0.0f;
-        for (int64_t j = g * w.group; j < (g + 1) * w.group; ++j) s += row[j];
-        in->sums[i * groups + g] = s;
+      if (w.offset != nullptr) {
+        for (int64_t g = 0; g < groups; ++g) {
+          float sum = 0.0f;
+          for (int64_t j = g * w.group; j < (g + 1) * w.group; ++j) sum += row[j];
+          in->sums.data()[i * groups + g] = sum;
+        }
       }
     }
   }
@@ -586,18 +592,21 @@ void group_rows_bf16(const GroupWeights (&gw)[P], const uint16_t* const* x, cons
   __m512 acc[R][2 * P];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_setzero_ps();
+  const uint16_t* w[P];
+  for (int q = 0; q < P; ++q) w[q] = static_cast<const uint16_t*>(gw[q].w);
+  const uint16_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x[r];
+#pragma GCC unroll 2
   for (int64_t j = 0; j < gkp; ++j) {
-    __m512bh wv[2 * P];
-    for (int q = 0; q < P; ++q)
-      for (int t = 0; t < 2; ++t) {
-        wv[2 * q + t] = reinterpret_cast<__m512bh>(
-            _mm512_loadu_si512(static_cast<const uint16_t*>(gw[q].w) + 64 * j + 32 * t));
-      }
+    // The tiles' vectors for this kpair, loaded once and kept in registers for every row.
+    __m512i wv[2 * P];
+    for (int q = 0; q < P; ++q) {
+      wv[2 * q] = _mm512_loadu_si512(w[q] + 64 * j);
+      wv[2 * q + 1] = _mm512_loadu_si512(w[q] + 64 * j + 32);
+    }
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x[r] + 2 * j, 4);
-      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv[i], xb);
+      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr[r] + 2 * j)));
+      for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], reinterpret_cast<__m512bh>(wv[i]), xb);
     }
   }
   for (int q = 0; q < P; ++q)
@@ -685,13 +694,13 @@ void epilogue(const PackedWeight& w, const LinearArgs& a, int64_t row0, int rows
 // every row block of the chunk over it, the running sums in memory.
 template <int P>
 void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearArgs& a, int64_t p,
-                         const Q4Table& table, std::vector<uint16_t>& buffer) {
+                         const Q4Table& table, AlignedBuffer<uint16_t>& buffer) {
   const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
   if (buffer.size() < static_cast<size_t>(2 * P * gkp * 64)) buffer.resize(2 * P * gkp * 64);
-  std::vector<float> Y(kRowChunk * 32 * kMaxPairs);
+  AlignedBuffer<float> Y;
   for (int64_t c0 = 0; c0 < a.m; c0 += kRowChunk) {
     const int64_t rows = std::min<int64_t>(kRowChunk, a.m - c0);
-    std::fill(Y.begin(), Y.end(), 0.0f);
+    Y.resize(kRowChunk * 32 * kMaxPairs, true);
     ExpandSource<uint16_t> src[P];
     for (int q = 0; q < P; ++q) {
       src[q] = {PairIndex{&w, p + q, groups, gkp, kp}, &table, buffer.data() + 2 * q * gkp * 64};
@@ -728,7 +737,7 @@ void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearAr
 // The rows of `pairs` (1 or kMaxPairs) tile pairs from pair p.
 template <typename T, int P>
 void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a, int64_t p, const Q4Table& table,
-                   std::vector<T>& buffer) {
+                   AlignedBuffer<T>& buffer) {
   const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
   const bool quantized = w.format == WeightFormat::Q4 || w.format == WeightFormat::Q8;
   const int rows_per_block = block_rows<T>(quantized);
@@ -749,7 +758,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
     }
   }
 #endif
-  float out[kMaxRows][32 * kMaxPairs];
+  alignas(64) float out[kMaxRows][32 * kMaxPairs];
   const int64_t per_pair = (one_block ? 2 * gkp : kp) * 64;  // expanded values per pair (two group slots)
   if (quantized && buffer.size() < static_cast<size_t>(P * per_pair)) buffer.resize(P * per_pair);
   for (int64_t r0 = 0; r0 < a.m; r0 += rows_per_block) {
@@ -792,7 +801,7 @@ void products(const PackedWeight& w, const Inputs& in, const LinearArgs& a) {
   {
     int64_t p0, p1;
     split_range(pairs, omp_get_num_threads(), omp_get_thread_num(), &p0, &p1);
-    std::vector<T> buffer;
+    AlignedBuffer<T> buffer;
     int64_t p = p0;
     for (; p + kMaxPairs <= p1; p += kMaxPairs) pair_products<T, kMaxPairs>(w, in, a, p, table, buffer);
     for (; p < p1; ++p) pair_products<T, 1>(w, in, a, p, table, buffer);

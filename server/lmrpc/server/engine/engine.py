@@ -10,6 +10,7 @@ so a cancelled request's pages are free before the model runs again.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import queue
@@ -410,6 +411,10 @@ class AsyncEngine:
             except BaseException as exc:  # noqa: BLE001 (not swallowed: start() raises it in the caller)
                 built.put(exc)
                 return
+            # Everything loaded so far (model, tokenizer, grammar tables) lives until exit: move it out of the cyclic
+            # garbage collector's sight, which otherwise walks it in every full collection (measured here: about a
+            # tenth of a decode step's time).
+            gc.freeze()
             built.put(engine)
             engine.run_forever()
 
