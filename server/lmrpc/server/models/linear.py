@@ -54,9 +54,9 @@ def has_native_half(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`--dtype auto` is bfloat16 where it runs natively, else float32: without bf16 instructions a CPU computes
-    bf16 products through per-row conversions whose rounding depends on the route a row takes (batch size,
-    prefix-cache hit), so the same request could decode differently; float32 is exact across routes there."""
+    """`--dtype auto` is bfloat16 where its products run natively (CUDA, CPUs with AVX512-BF16 or AMX), else
+    float32: elsewhere bf16 products are emulated (the native kernels' portable loops) or, on torch's route, computed
+    through per-row conversions whose rounding depends on the batch."""
     if name == "auto":
         return torch.bfloat16 if has_native_bf16(device) else torch.float32
     return getattr(torch, name)
