@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmrpc.kernels.attention import AttentionMetadata, build_metadata, select_backend, torch_reference
+from lmrpc.kernels.attention import PagedTorchAttention, select_backend
 from lmrpc.kernels.flashinfer_attention import FlashInferAttention
+from lmrpc.kernels.paged import AttentionMetadata, AttentionShape, Rope, build_metadata
+from lmrpc.kernels.torch_attention import torch_reference
 
 try:
     import flashinfer  # noqa: F401
@@ -115,4 +117,6 @@ def test_float32_activations_over_a_bf16_cache() -> None:
 
 
 def test_select_backend_picks_flashinfer_on_cuda() -> None:
-    assert isinstance(select_backend(CUDA), FlashInferAttention)
+    shape = AttentionShape(layers=1, heads=8, kv_heads=2, head_dim=64, scale=0.125)
+    backend = select_backend(shape, Rope(torch.ones(16, 64), torch.zeros(16, 64)), torch.bfloat16, CUDA, 4, 16)
+    assert isinstance(backend, PagedTorchAttention) and isinstance(backend.kernel, FlashInferAttention)

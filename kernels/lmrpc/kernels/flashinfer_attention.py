@@ -92,11 +92,31 @@ class FlashInferAttention:
         # rounded down and the output cast back, like the reference reading the cache up-cast.
         qc = q.to(k_cache.dtype).contiguous()  # [T, heads, head_dim]; q is a view into the fused qk projection
         key = (heads, kv_heads, head_dim, scale, k_cache.dtype)
-        if meta is not self._planned or key != self._plan_key:
-            self._plan(meta, paged, key)
+        wrapper = meta.planned  # a CUDA graph replay: planned outside the graph, over its static buffers
+        if wrapper is None:
+            if meta is not self._planned or key != self._plan_key:
+                self._plan(meta, paged, key)
+            wrapper = self._wrapper
         pages_shape = (-1, paged.page_size, kv_heads, head_dim)
-        out = self._wrapper.run(qc, (k_cache.view(pages_shape), v_cache.view(pages_shape)))  # [T, heads, head_dim]
+        out = wrapper.run(qc, (k_cache.view(pages_shape), v_cache.view(pages_shape)))  # [T, heads, head_dim]
         return out.to(q.dtype)
+
+    def graph_decode_wrapper(self, batch: int, max_pages: int, group: int) -> Any:
+        """A decode wrapper for CUDA graphs: its page-table buffers are fixed tensors sized for `batch` sequences
+        of up to `max_pages` pages (flashinfer's use_cuda_graph mode; plan() refills them before each replay)."""
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=group >= TENSOR_CORE_DECODE_MIN_GROUP,
+            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buffer=torch.zeros(batch * max_pages, dtype=torch.int32, device=self.device),
+            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device),
+        )
+
+    @staticmethod
+    def plan_decode(wrapper: Any, paged: PagedLayout, heads: int, kv_heads: int, head_dim: int, scale: float,
+                    dtype: torch.dtype) -> None:
+        """Plan one step of a graph decode wrapper (outside the graph)."""
+        wrapper.plan(paged.kv_indptr, paged.kv_indices, paged.kv_last_page_len, heads, kv_heads, head_dim,
+                     paged.page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
 
     def _plan(
         self, meta: AttentionMetadata, paged: PagedLayout, key: tuple[int, int, int, float, torch.dtype]
@@ -105,10 +125,7 @@ class FlashInferAttention:
         heads, kv_heads, head_dim, scale, dtype = key
         if meta.num_decodes and not meta.prefills:
             self._wrapper = self._decode_wrapper(heads // kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP)
-            self._wrapper.plan(
-                paged.kv_indptr, paged.kv_indices, paged.kv_last_page_len, heads, kv_heads, head_dim,
-                paged.page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
-            )
+            self.plan_decode(self._wrapper, paged, heads, kv_heads, head_dim, scale, dtype)
         else:
             self._wrapper = self._prefill
             self._wrapper.plan(

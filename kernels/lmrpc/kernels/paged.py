@@ -120,6 +120,8 @@ class AttentionMetadata:
     decode_lengths: tuple[int, ...]  # context length of each decode row, its new token included
     prefills: tuple[PrefillSeq, ...]  # the other sequences
     paged: PagedLayout | None = None  # flashinfer's layout of the same step; only built when asked (CUDA)
+    # a flashinfer decode wrapper already planned for this step over static buffers (CUDA graph replays): used as is
+    planned: Any = None
 
 
 def build_metadata(

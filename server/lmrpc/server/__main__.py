@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import re
 import sys
+from typing import NoReturn
 
 from lmrpc.server.app import serve
 from lmrpc.server.config import (
@@ -38,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "4-bit blocks, or groups of 32 quantized at load. Any choice keeps a request's output "
                         "independent of its batch; int8/int4 need the native CPU kernels")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=None,
+                   help="CUDA: decode steps of up to this many sequences replay CUDA graphs captured at start "
+                        "(default: --max-running-requests; 0: no graphs). Ignored on CPU")
     p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
                    help="unset temperature/top_p/top_k/min_p/repetition_penalty come from the model's "
                         "generation_config.json (model) or the OpenAI constants (openai)")
@@ -85,6 +89,14 @@ def _add_transport_flags(p: argparse.ArgumentParser) -> None:
                         "(default: gRPC's 4 MiB receive, unlimited send)")
 
 
+def _flag_error(error: ValueError, *configs: type) -> NoReturn:
+    """Exit 2 with a config's message, its field names spelled as the flags the user typed (tls_cert -> --tls-cert)."""
+    names = "|".join(f.name for config in configs for f in dataclasses.fields(config))
+    message = re.sub(rf"\b({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), str(error))
+    print(f"lmrpc-server: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def transport_config(args: argparse.Namespace) -> TransportConfig:
     """The transport flags as a TransportConfig; a bad combination or an unreadable PEM exits 2 with the reason."""
     try:
@@ -95,29 +107,34 @@ def transport_config(args: argparse.Namespace) -> TransportConfig:
             max_message_size=args.max_message_size,
         )
     except ValueError as e:
-        # The config speaks in field names; the user typed flags (tls_cert -> --tls-cert).
-        names = "|".join(f.name for f in dataclasses.fields(TransportConfig))
-        message = re.sub(rf"\b({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), str(e))
-        print(f"lmrpc-server: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _flag_error(e, TransportConfig)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine flags as an EngineConfig; a value out of range exits 2 naming the flag."""
+    try:
+        return EngineConfig(
+            model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization),
+            cache=CacheConfig(page_size=args.page_size, num_tokens=args.kv_cache_tokens),
+            scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
+                                      max_batched_tokens=args.max_batched_tokens,
+                                      max_prefill_chunk=args.max_batched_tokens),
+            sampling_defaults=args.sampling_defaults,
+            enable_custom_logit_processor=args.enable_custom_logit_processor,
+            cuda_graph_max_batch=args.cuda_graph_max_batch,
+        )
+    except ValueError as e:
+        _flag_error(e, ModelConfig, CacheConfig, SchedulerConfig, EngineConfig)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
-    engine_config = EngineConfig(
-        model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization),
-        cache=CacheConfig(page_size=args.page_size, num_tokens=args.kv_cache_tokens),
-        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
-                                  max_batched_tokens=args.max_batched_tokens,
-                                  max_prefill_chunk=args.max_batched_tokens),
-        sampling_defaults=args.sampling_defaults,
-        enable_custom_logit_processor=args.enable_custom_logit_processor,
-    )
+    engine = engine_config(args)
     server_config = ServerConfig(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
                                  shutdown_grace=args.shutdown_grace, drain_delay=args.drain_delay,
                                  transport=transport_config(args), metrics_port=args.metrics_port)
-    asyncio.run(serve(engine_config, server_config))
+    asyncio.run(serve(engine, server_config))
 
 
 if __name__ == "__main__":

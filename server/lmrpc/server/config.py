@@ -72,10 +72,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling_defaults: SamplingDefaultsSource = "model"  # where unset temperature/top_p/top_k/min_p/rep. come from
     enable_custom_logit_processor: bool = False  # allow requests to name a registered logit processor
+    # CUDA: decode steps of up to this many sequences replay CUDA graphs captured at warm-up; None: up to
+    # scheduler.max_running_requests; 0: no graphs. Ignored on CPU.
+    cuda_graph_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_defaults not in ("model", "openai"):
             raise ValueError("sampling_defaults must be 'model' or 'openai'")
+        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 0:
+            raise ValueError("cuda_graph_max_batch must be >= 0")
 
 
 # gRPC channel arguments are C ints: durations in ms and sizes in bytes must stay below 2**31.

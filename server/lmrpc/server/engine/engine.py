@@ -108,7 +108,7 @@ class Engine:
     ) -> None:
         self.info: ModelInfo = loaded.info
         self.tokenizer = loaded.tokenizer
-        self.executor = ModelExecutor(loaded, config.cache, config.scheduler)
+        self.executor = ModelExecutor(loaded, config)
         kv = KVCacheManager(self.executor.num_pages, self.executor.page_size, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.executor.device)

@@ -4,15 +4,21 @@ the logits the sampler and prompt logprobs need (float32, only for the rows that
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from lmrpc.kernels.attention import PagedTorchAttention
+from lmrpc.kernels.flashinfer_attention import FlashInferAttention
 from lmrpc.kernels.paged import ChunkSpec
-from lmrpc.server.config import CacheConfig, SchedulerConfig
+from lmrpc.server.config import EngineConfig
+from lmrpc.server.engine.cuda_graphs import CudaGraphRunner, default_buckets
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, Sequence
 from lmrpc.server.models import ForwardContext
 from lmrpc.server.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 MAX_AUTO_PAGES_TOKENS = 1 << 18  # cap of an automatically sized pool, in tokens
 
@@ -41,7 +47,8 @@ def _host_available_bytes() -> int:
 
 
 class ModelExecutor:
-    def __init__(self, loaded: LoadedModel, cache: CacheConfig, scheduler: SchedulerConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        cache = config.cache
         self.model = loaded.model
         self.device: torch.device = loaded.model.device
         self.vocab_size = loaded.info.vocab_size
@@ -53,8 +60,29 @@ class ModelExecutor:
             free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
                     else _host_available_bytes())
             tokens = min(int(free * cache.memory_fraction) // bytes_per_token, MAX_AUTO_PAGES_TOKENS)
-        self.num_pages = max(1, tokens // self.page_size)
-        self.attention = self.model.make_attention(self.num_pages, self.page_size)  # allocates the KV cache
+        pages = max(1, tokens // self.page_size)
+        graphs = self._graph_batch(config)
+        # With CUDA graphs, one more page: the scratch page padding rows write to, never handed to a sequence.
+        self.attention = self.model.make_attention(pages + (1 if graphs else 0), self.page_size)  # the KV cache
+        self.num_pages = pages  # what the KV-cache manager may hand out
+        self.graphs: CudaGraphRunner | None = None
+        if (graphs and isinstance(self.attention, PagedTorchAttention)
+                and isinstance(self.attention.kernel, FlashInferAttention)):
+            max_pages = -(-loaded.info.max_context_length // self.page_size)
+            self.graphs = CudaGraphRunner(self.model, self.attention, default_buckets(graphs), scratch_page=pages,
+                                          max_pages_per_seq=max_pages)
+            self.graphs.capture()
+
+    def _graph_batch(self, config: EngineConfig) -> int:
+        """The largest decode batch to capture as a CUDA graph here (0: none)."""
+        if self.device.type != "cuda":
+            return 0
+        limit = config.cuda_graph_max_batch
+        batch = config.scheduler.max_running_requests if limit is None else limit
+        if batch and not _has_flashinfer():
+            logger.warning("no CUDA graphs: they need flashinfer's decode kernel")
+            return 0
+        return batch
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
@@ -65,8 +93,10 @@ class ModelExecutor:
         for c in batch.chunks:
             ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             positions.extend(range(c.start, c.start + c.num_tokens))
-        position_tensor = torch.tensor(positions, dtype=torch.int64)
         chunks = [ChunkSpec(c.start, c.num_tokens, c.seq.page_table) for c in batch.chunks]
+        if self.graphs is not None and len(ids) == len(chunks) and self.graphs.bucket_for(len(ids)) is not None:
+            return ForwardOutput(self.graphs.run(ids, chunks), ())  # decodes only: a captured graph
+        position_tensor = torch.tensor(positions, dtype=torch.int64)
         ctx = ForwardContext(self.attention, self.attention.plan(chunks, position_tensor))
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), ctx)  # [T, hidden]
         rows, prompt_spans = self._rows(batch)
@@ -107,3 +137,11 @@ def _prompt_logprob_span(c: ScheduledChunk) -> tuple[int, int]:
     lo = max(max(options.start_len, 1) - 1, c.start)
     hi = min(c.seq.num_prompt_tokens - 1, c.start + c.num_tokens)
     return lo, max(0, hi - lo)
+
+
+def _has_flashinfer() -> bool:
+    try:
+        import flashinfer  # noqa: F401  (probe only)
+    except (ImportError, OSError):
+        return False
+    return True
