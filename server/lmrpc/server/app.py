@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.frontend import Frontend
 from lmrpc.server.metrics import Metrics, MetricsServer
 from lmrpc.server.service import GenerateService
 from lmrpc.server.telemetry import configure_tracing
@@ -34,8 +35,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     # grpc.aio takes no servicer after start, so the service is registered now and gets its engine once loaded.
     metrics = Metrics() if server_config.metrics_port is not None else None
-    service = GenerateService(None, engine_config, server_config, metrics)
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(service, server)
+    frontend = Frontend(None, engine_config, server_config, metrics)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateService(frontend), server)
     port = add_port(server, f"{server_config.host}:{server_config.port}", server_config.transport)
     await server.start()
     print(f"lmrpc-server listening on {server_config.host}:{port}", flush=True)
@@ -47,7 +48,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     # Probes answer NOT_SERVING while the model loads and warms up, off the event loop.
     engine = await asyncio.to_thread(AsyncEngine.start, engine_config)
     await asyncio.to_thread(engine.warmup)
-    service.attach(engine)
+    frontend.attach(engine)
     if metrics is not None:
         metrics.attach(engine.stats)
     for name in ("", SERVICE_NAME):
@@ -63,7 +64,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     logger.info("draining: NOT_SERVING, then refusing new calls after %.1fs", server_config.drain_delay)
     await health_servicer.enter_graceful_shutdown()
     await asyncio.sleep(server_config.drain_delay)
-    service.draining = True
+    frontend.draining = True
     await server.stop(grace=server_config.shutdown_grace)  # in-flight streams get the grace period
     engine.shutdown()
     if metrics_server is not None:
