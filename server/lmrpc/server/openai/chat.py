@@ -18,7 +18,7 @@ from lmrpc.server.openai import validation as rules
 from lmrpc.server.openai.chat_template import RESERVED_KWARGS, ChatTemplate
 from lmrpc.server.openai.choices import CallUsage, Candidate, engine_requests, set_finish
 from lmrpc.server.openai.logprobs import TokenTexts, chat_logprobs
-from lmrpc.server.protocol import EngineOutput, EngineRequest, Finish, FinishReason, LogprobOptions
+from lmrpc.server.protocol import EngineOutput, EngineRequest, Finish, LogprobOptions
 from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import openai_pb2
 
@@ -60,9 +60,10 @@ async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, templat
     constraint = options.constraint or _tool_constraint(options)
     max_tokens, max_field = rules.chat_max_tokens(req, info)
     pb = rules.sampling_pb(req, max_tokens, constraint)
-    if constraint is not None and constraint.field != "response_format" and not pb.HasField(
-            "json_whitespace_flexible") and options.tool_mode != "none":
+    if options.tool_mode != "none" and not pb.HasField("json_whitespace_flexible"):
         pb.json_whitespace_flexible = False  # tool calls in json.dumps' layout unless asked otherwise
+    if options.tool_mode == "auto" and not options.parallel_tool_calls:
+        pb.stop.append(tools.CALL_END)  # one call at most: the answer ends with the first call's end tag
     params = validation.resolve_sampling(pb, rules.sampling_names(max_field), info, use_model_defaults, len(prompt),
                                          "", False)
     if params.constraint is not None and constraint is not None:
@@ -80,7 +81,8 @@ def _tool_constraint(options: rules.ChatOptions) -> rules.ConstraintRequest | No
         [tool] = [t for t in options.tools if t.name == options.tool_name]
         return rules.ConstraintRequest("tool_choice", "json_schema", tools.named_schema(tool))
     if options.tool_mode == "required":
-        return rules.ConstraintRequest("tools", "json_schema", tools.required_schema(options.tools))
+        return rules.ConstraintRequest("tools", "json_schema",
+                                       tools.required_schema(options.tools, options.parallel_tool_calls))
     if options.tool_mode == "auto":
         return rules.ConstraintRequest("tools", "structural_tag", tools.hermes_structural_tag(options.tools))
     return None
@@ -185,9 +187,10 @@ class ChatStream:
     @staticmethod
     def _set_finish(choice: openai_pb2.ChatChoice, state: _Choice, finish: Finish) -> None:
         set_finish(choice, finish)
-        if state.parser.called and finish.reason is not FinishReason.LENGTH and finish.reason is not \
-                FinishReason.ABORT:
+        if state.parser.called and choice.finish_reason == openai_pb2.COMPLETION_FINISH_REASON_STOP:
+            # Ended by the call's own grammar or end tag: what matched is the tool-call machinery, not a stop.
             choice.finish_reason = openai_pb2.COMPLETION_FINISH_REASON_TOOL_CALLS
+            choice.ClearField("matched_stop")
 
     def _merged(self, candidate: Candidate) -> openai_pb2.ChatChoice:
         """The whole answer of one choice (its chunks, merged as a client merges them)."""

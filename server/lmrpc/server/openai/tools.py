@@ -44,11 +44,14 @@ def named_schema(tool: ToolSpec) -> str:
     return json.dumps(dict(tool.parameters))
 
 
-def required_schema(tools: Sequence[ToolSpec]) -> str:
-    """tool_choice "required": a non-empty JSON list of calls of the given tools."""
+def required_schema(tools: Sequence[ToolSpec], parallel: bool) -> str:
+    """tool_choice "required": a non-empty JSON list of calls of the given tools (of one call unless parallel)."""
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return json.dumps(schema)
 
 
 def hermes_structural_tag(tools: Sequence[ToolSpec]) -> str:
@@ -221,8 +224,15 @@ class HermesParser:
         return Piece("".join(content), tuple(calls))
 
     def finish(self) -> Piece:
-        """The end of the output: what is still held back is content (an unfinished call shows as text), except
-        whitespace after the last call."""
+        """The end of the output: what is still held back is content, except whitespace after the last call. A
+        call whose JSON is complete counts even without its end tag (generation stopped at </tool_call>, as
+        it does for one call only); an unfinished one shows as text."""
+        if self._inside:
+            call = _hermes_call(self._buffer)
+            if call is not None:
+                self._buffer, self._inside = "", False
+                self._calls += 1
+                return Piece(calls=(call,))
         rest = (CALL_BEGIN if self._inside else "") + self._buffer
         self._buffer, self._inside = "", False
         if self._calls and not rest.strip():

@@ -80,6 +80,7 @@ class ChatOptions:
     tools: tuple[ToolSpec, ...]  # the functions on offer (empty with tool_choice "none")
     tool_mode: ToolMode  # none | auto | required | function
     tool_name: str | None  # the function to call, in mode "function"
+    parallel_tool_calls: bool  # more than one call allowed
     add_generation_prompt: bool  # end the prompt with the opening of an assistant message
     continue_final_message: bool  # continue the last (assistant) message instead
     template_kwargs: Mapping[str, Any]  # extra chat-template variables
@@ -276,6 +277,7 @@ def chat_options(req: openai_pb2.ChatCompleteRequest, template_parameters: froze
     return ChatOptions(
         n=n, logprobs=(top or 0) if req.logprobs else None, tools=tools if mode != "none" else (), tool_mode=mode,
         tool_name=tool_name, add_generation_prompt=add_prompt, continue_final_message=continue_final,
+        parallel_tool_calls=req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True,
         template_kwargs=kwargs, constraint=constraint, output=output,
     )
 
