@@ -188,6 +188,7 @@ class HermesParser:
     def __init__(self) -> None:
         self._buffer = ""  # text not decided yet
         self._inside = False  # between <tool_call> and </tool_call>
+        self._layout = ""  # whitespace before the current call: dropped if it is a call, shown if not
         self._calls = 0  # calls completed so far
 
     @property
@@ -207,10 +208,11 @@ class HermesParser:
                 self._inside = False
                 call = _hermes_call(body)
                 if call is None:  # not a call after all (possible only without the structural tag): show it
-                    content.append(CALL_BEGIN + body + CALL_END)
+                    content.append(self._layout + CALL_BEGIN + body + CALL_END)
                 else:
                     calls.append(call)
                     self._calls += 1
+                self._layout = ""
                 continue
             begin = self._buffer.find(CALL_BEGIN)
             if begin < 0:
@@ -218,7 +220,9 @@ class HermesParser:
                 content.append(self._buffer[:safe])
                 self._buffer = self._buffer[safe:]
                 break
-            content.append(self._buffer[:begin].rstrip())  # whitespace before a call is layout, not content
+            before = self._buffer[:begin]
+            content.append(before.rstrip())  # whitespace before a call is layout, not content
+            self._layout = before[len(before.rstrip()):]
             self._buffer = self._buffer[begin + len(CALL_BEGIN):]
             self._inside = True
         return Piece("".join(content), tuple(calls))
@@ -230,11 +234,11 @@ class HermesParser:
         if self._inside:
             call = _hermes_call(self._buffer)
             if call is not None:
-                self._buffer, self._inside = "", False
+                self._buffer, self._inside, self._layout = "", False, ""
                 self._calls += 1
                 return Piece(calls=(call,))
-        rest = (CALL_BEGIN if self._inside else "") + self._buffer
-        self._buffer, self._inside = "", False
+        rest = (self._layout + CALL_BEGIN if self._inside else "") + self._buffer
+        self._buffer, self._inside, self._layout = "", False, ""
         if self._calls and not rest.strip():
             return Piece()
         return Piece(rest)
