@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import grpc
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from lmrpc.server.__main__ import parse_args, read_chat_template
 from lmrpc.server.openai import fim
 from lmrpc.server.openai.chat_template import ChatTemplate, template_message
 from lmrpc.server.openai.logprobs import TokenTexts
@@ -65,6 +67,20 @@ def test_override_and_missing_template(smollm2_tokenizer: PreTrainedTokenizerBas
     assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and "--chat-template" in str(err.value)
     override = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     assert render(ChatTemplate(bare, override), [msg("user", "Hi")]) == "[user] Hi\n"
+
+
+def test_chat_template_flag_reads_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0].content }}")
+    args = parse_args(["--chat-template", str(template)])
+    assert read_chat_template(args.chat_template) == "{{ messages[0].content }}"
+    assert read_chat_template(None) is None
+    for bad, says in ((tmp_path / "missing.jinja", "cannot read"), (tmp_path / "empty.jinja", "is empty")):
+        if "empty" in bad.name:
+            bad.write_text("  \n")
+        with pytest.raises(SystemExit) as exit_:
+            read_chat_template(str(bad))
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_template_error_is_invalid_argument(smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
