@@ -159,3 +159,14 @@ def test_chat_logprobs(client: Client) -> None:
         assert len(entry.top_logprobs) == 3 and entry.logprob == entry.top_logprobs[0].logprob  # greedy
         assert entry.bytes == entry.top_logprobs[0].bytes
     assert "".join(e.token for e in choice.logprobs) == choice.message.content
+
+
+def test_abort_by_rid_ends_the_answer_with_abort(client: Client) -> None:
+    chunks = client.chat("Count from one to one thousand.", rid="openai-abort-me", stream=True, max_tokens=2000,
+                         ignore_eos=True, temperature=0)
+    for chunk in chunks:  # until the answer is under way
+        if chunk.choices and chunk.choices[0].delta is not None and chunk.choices[0].delta.content:
+            break
+    assert client.abort("openai-abort-me") == ["openai-abort-me"]
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason is CompletionFinishReason.ABORT

@@ -13,7 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import grpc
@@ -40,6 +40,7 @@ from lmrpc.v1 import openai_pb2_grpc
 
 EOS = 2
 FAIL = "FAIL"  # a script text that ends the output with ERROR
+HANG = "HANG"  # a script text whose output sends one token, then waits until the call is cancelled
 INFO = ModelInfo(path="/models/scripted", served_model_name="scripted", architecture="LlamaForCausalLM",
                  vocab_size=49152, max_context_length=2048, eos_token_ids=(EOS,), generation_defaults={},
                  dtype="float32", device="cpu")
@@ -126,10 +127,14 @@ class ScriptedEngine:
         self.live |= {r.request_id for r in requests}
         try:
             pending = [self._outputs(r) for r in requests]
+            hang = {r.request_id for r in requests if self.script(r).text == HANG}
             while any(pending):  # round-robin, one output per request per step, like the engine
                 for outputs in pending:
                     if outputs:
                         out = outputs.pop(0)
+                        if out.request_id in hang:
+                            yield replace(out, finish=None, usage=None)
+                            await asyncio.Event().wait()  # until the call is cancelled
                         if out.finish is not None:
                             self.live.discard(out.request_id)
                         yield out

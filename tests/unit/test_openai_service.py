@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from scripted_engine import EOS, FAIL, Scripted, ScriptedEngine, serving_openai
+from scripted_engine import EOS, FAIL, HANG, Scripted, ScriptedEngine, serving_openai
 from transformers import PreTrainedTokenizerBase
 
 from lmrpc.client import AsyncClient, Client, CompletionFinishReason, LmrpcError, merge_chat, merge_completion
@@ -40,6 +41,8 @@ def engine(smollm2_tokenizer: PreTrainedTokenizerBase) -> ScriptedEngine:
             return Scripted(f" candidate {candidate}", BEST_LOGPROBS[candidate])
         if "FAIL" in prompt:
             return Scripted(FAIL)
+        if "HANG" in prompt:
+            return Scripted(HANG)
         return Scripted("Hello there.")
 
     return ScriptedEngine(smollm2_tokenizer, script)
@@ -148,6 +151,20 @@ def test_engine_error_fails_the_call(client: Client) -> None:
     with pytest.raises(LmrpcError) as err:
         client.complete("FAIL now")
     assert err.value.code == grpc.StatusCode.INTERNAL and "boom" in err.value.message
+
+
+def test_leaving_a_stream_early_cancels_the_engine_requests(client: Client, engine: ScriptedEngine) -> None:
+    chunks = client.chat("HANG on", n=2, stream=True)
+    for chunk in chunks:  # the roles, then the first content: the engine is generating
+        delta = chunk.choices[0].delta
+        if delta is not None and delta.content:
+            break
+    assert len(engine.live) == 2
+    chunks.close()  # cancels the call
+    deadline = time.monotonic() + 10
+    while engine.live and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.live == set()
 
 
 def test_request_id_from_metadata_names_the_response(client: Client) -> None:
