@@ -93,8 +93,8 @@ def cmd_complete(client: Client, args: argparse.Namespace) -> int:
     prompt: str | list[str] = args.prompt[0] if len(args.prompt) == 1 else args.prompt
     out = sys.stdout
     if args.stream:
-        completion = None
         chunks: list[Completion] = []
+        params = {"stream_options": {"include_usage": True}, **params}  # for the summary
         for chunk in client.complete(prompt, stream=True, **params):
             chunks.append(chunk)
             if args.json:
