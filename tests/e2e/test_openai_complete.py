@@ -53,6 +53,16 @@ def test_complete_a_string(client: Client) -> None:
     assert client.detokenize(choice.token_ids) == choice.text
 
 
+def test_usage_reports_cached_prompt_tokens(client: Client) -> None:
+    prompt = "A prompt sent twice, to see the prefix cache at work in the usage of a completion."
+    first = client.complete(prompt, max_tokens=1, temperature=0).usage
+    again = client.complete(prompt, max_tokens=1, temperature=0, return_cached_tokens_details=True).usage
+    assert first is not None and again is not None
+    assert first.cached_tokens_details is None  # not asked for
+    assert again.cached_tokens == again.prompt_tokens - 1  # all but the last, which must be computed for logits
+    assert again.cached_tokens_details == {"device": again.cached_tokens, "host": 0}
+
+
 @pytest.mark.parametrize("form", ["strings", "ids", "id lists"])
 def test_complete_strings_ids_and_id_lists(client: Client, form: str) -> None:
     prompts = [CAPITAL, "Water boils at"]
