@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The demo: set up, start lmrpc-server with the default model (SmolLM2-135M-Instruct) on a loopback port, wait
-# until it reports SERVING over grpc.health.v1, stream one generation through the `lmrpc` CLI, stop the server.
-#   scripts/demo.sh ["prompt"]       (LMRPC_DEMO_PORT picks the port; default: a free one)
+# until it reports SERVING over grpc.health.v1, ask one question through chat (the model's chat template, the
+# answer streamed by `lmrpc chat`), stop the server.
+#   scripts/demo.sh ["question"]       (LMRPC_DEMO_PORT picks the port; default: a free one)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-PROMPT="${1:-The capital of France is}"
+QUESTION="${1:-What is the capital of France?}"
 READY_TIMEOUT=300  # seconds for the server to load the model and report SERVING
 
 scripts/setup.sh
@@ -42,9 +43,8 @@ done
 "$BIN/lmrpc" info --target "$TARGET"
 
 echo
-echo "demo: lmrpc generate \"$PROMPT\" --max-new-tokens 32 --temperature 0 --stream"
-"$BIN/lmrpc" generate "$PROMPT" --target "$TARGET" --max-new-tokens 32 --temperature 0 --stream \
-  || fail "generate failed"
+echo "demo: lmrpc chat \"$QUESTION\" --max-tokens 64 --temperature 0"
+"$BIN/lmrpc" chat "$QUESTION" --target "$TARGET" --max-tokens 64 --temperature 0 || fail "chat failed"
 
 echo
 echo "demo: stopping the server (SIGTERM)"

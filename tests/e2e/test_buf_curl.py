@@ -93,7 +93,43 @@ def test_invalid_argument_carries_bad_request(server: Any) -> None:
     assert [v.field for v in bad_request.field_violations] == ["sampling_params[0].temperature"]
 
 
-@pytest.mark.parametrize("service", ["", "lmrpc.v1.GenerateService"])
+def test_complete_reads_like_openai(server: Any) -> None:
+    # The request is OpenAI's JSON as is (a string prompt is a list of one); the response's names are OpenAI's too.
+    request = {"model": "SmolLM2-135M-Instruct", "prompt": ["The capital of France is"], "max_tokens": 4,
+               "temperature": 0, "logprobs": 1, "echo": True}
+    [completion] = ok_documents(buf_curl(server, "lmrpc.v1.OpenAIService/Complete", request))
+    assert completion["object"] == "text_completion" and completion["id"].startswith("cmpl-")
+    [choice] = completion["choices"]
+    assert choice["text"].startswith("The capital of France is") and "Paris" in choice["text"]
+    assert choice["finish_reason"] in ("COMPLETION_FINISH_REASON_LENGTH", "COMPLETION_FINISH_REASON_STOP")
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["text_offset"][0] == 0
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    usage = completion["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_chat_complete_streams_like_openai(server: Any) -> None:
+    request = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6, "temperature": 0,
+               "stream": True, "stream_options": {"include_usage": True}}
+    *chunks, usage = ok_documents(buf_curl(server, "lmrpc.v1.OpenAIService/ChatComplete", request))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    content = "".join(c["choices"][0].get("delta", {}).get("content", "") for c in chunks)
+    assert content and "finish_reason" in chunks[-1]["choices"][0]
+    assert "choices" not in usage and usage["usage"]["completion_tokens"] <= 6
+
+
+def test_openai_invalid_argument_names_the_field(server: Any) -> None:
+    done = buf_curl(server, "lmrpc.v1.OpenAIService/ChatComplete", {"messages": [{"role": "robot"}]})
+    assert done.returncode == 3 << 3, f"expected INVALID_ARGUMENT (exit 24), got {done.returncode}:\n{done.stderr}"
+    [error] = json_documents(done.stderr)
+    value = error["details"][0]["value"]
+    bad_request = error_details_pb2.BadRequest.FromString(base64.b64decode(value + "=" * (-len(value) % 4)))
+    assert [v.field for v in bad_request.field_violations] == ["messages[0].role"]
+
+
+@pytest.mark.parametrize("service", ["", "lmrpc.v1.GenerateService", "lmrpc.v1.OpenAIService"])
 def test_health_check(server: Any, service: str) -> None:
     [reply] = ok_documents(buf_curl(server, "grpc.health.v1.Health/Check", {"service": service}))
     assert reply == {"status": "SERVING"}

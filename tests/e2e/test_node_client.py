@@ -85,3 +85,17 @@ def test_node_decodes_bad_request_details(summary: dict[str, Any]) -> None:
     assert "temperature" in invalid["message"]
     fields = [v["field"] for v in invalid["field_violations"]]
     assert "sampling_params[0].temperature" in fields
+
+
+def test_node_completes_with_a_usage_chunk(summary: dict[str, Any]) -> None:
+    complete = summary["complete"]
+    assert complete["model"] == "SmolLM2-135M-Instruct"
+    assert complete["finish_reason"] in ("COMPLETION_FINISH_REASON_LENGTH", "COMPLETION_FINISH_REASON_STOP")
+    assert "Paris" in complete["text"]
+    assert 0 < complete["usage"]["completion_tokens"] <= 6
+
+
+def test_node_chats_and_decodes_its_bad_request(summary: dict[str, Any]) -> None:
+    chat = summary["chat"]
+    assert chat["content"] and chat["usage"]["prompt_tokens"] > 0
+    assert [v["field"] for v in chat["invalid"]["field_violations"]] == ["messages"]

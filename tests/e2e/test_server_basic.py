@@ -60,13 +60,13 @@ def test_model_info(client: Client) -> None:
 def test_health_serving_and_reflection(server) -> None:
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "lmrpc.v1.GenerateService"):
+        for service in ("", "lmrpc.v1.GenerateService", "lmrpc.v1.OpenAIService"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
         [answer] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in answer.list_services_response.service}
-    assert {"lmrpc.v1.GenerateService", "grpc.health.v1.Health"} <= names
+    assert {"lmrpc.v1.GenerateService", "lmrpc.v1.OpenAIService", "grpc.health.v1.Health"} <= names
 
 
 def test_invalid_argument_names_field_and_server_keeps_serving(client: Client) -> None:

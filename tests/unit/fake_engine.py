@@ -19,6 +19,7 @@ import grpc
 
 from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.frontend import Frontend
 from lmrpc.server.metrics import Metrics
 from lmrpc.server.protocol import (
     EngineOutput,
@@ -93,7 +94,7 @@ class FakeEngine:
 def make_service(engine: FakeEngine, metrics: Metrics | None = None, max_queued: int = 256) -> GenerateService:
     engine_config = EngineConfig(scheduler=SchedulerConfig(max_running_requests=8), sampling_defaults="openai")
     server_config = ServerConfig(host="127.0.0.1", port=0, max_queued_requests=max_queued)
-    return GenerateService(cast(AsyncEngine, engine), engine_config, server_config, metrics=metrics)
+    return GenerateService(Frontend(cast(AsyncEngine, engine), engine_config, server_config, metrics=metrics))
 
 
 @asynccontextmanager

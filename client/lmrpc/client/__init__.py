@@ -5,6 +5,8 @@
         for delta in client.generate("The capital of France is", sampling_params={"max_new_tokens": 16},
                                      stream=True):
             print(delta.text, end="", flush=True)
+        answer = client.chat("What is the capital of France?", max_tokens=32, temperature=0)  # OpenAI's shapes
+        print(answer.content)
 
 Needs only grpcio, grpcio-status, grpcio-health-checking and protobuf (no torch).
 """
@@ -14,6 +16,23 @@ from __future__ import annotations
 from lmrpc.client.client import DEFAULT_TARGET, AsyncClient, Client, channel_options, tls
 from lmrpc.client.convert import SamplingParamsLike, response_format, sampling_params_to_pb
 from lmrpc.client.errors import FieldViolation, LmrpcError
+from lmrpc.client.openai_convert import ChatParams, CompleteParams
+from lmrpc.client.openai_results import (
+    ChatChoice,
+    ChatCompletion,
+    ChatMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionFinishReason,
+    CompletionLogprobs,
+    CompletionUsage,
+    FunctionCall,
+    ToolCall,
+    merge_chat,
+    merge_completion,
+)
 from lmrpc.client.results import (
     Finish,
     FinishReason,
@@ -30,10 +49,23 @@ from lmrpc.client.results import (
 __all__ = [
     "DEFAULT_TARGET",
     "AsyncClient",
+    "ChatChoice",
+    "ChatCompletion",
+    "ChatMessage",
+    "ChatParams",
+    "ChatTokenLogprob",
+    "ChatTopLogprob",
     "Client",
+    "CompleteParams",
+    "Completion",
+    "CompletionChoice",
+    "CompletionFinishReason",
+    "CompletionLogprobs",
+    "CompletionUsage",
     "FieldViolation",
     "Finish",
     "FinishReason",
+    "FunctionCall",
     "GenerateDelta",
     "GenerateResult",
     "LmrpcError",
@@ -42,9 +74,12 @@ __all__ = [
     "SamplingParamsLike",
     "ServingStatus",
     "TokenLogprob",
+    "ToolCall",
     "Usage",
     "channel_options",
     "merge",
+    "merge_chat",
+    "merge_completion",
     "response_format",
     "sampling_params_to_pb",
     "tls",

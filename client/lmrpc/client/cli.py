@@ -1,4 +1,5 @@
-"""The `lmrpc` command line: generate, info, tokenize, detokenize, health and abort against an lmrpc server.
+"""The `lmrpc` command line: generate, complete, chat, info, tokenize, detokenize, health and abort against an lmrpc
+server (complete and chat: cli_openai.py).
 
 Exit codes: 0 success; 1 an RPC failed, an output finished with ERROR, or health is not SERVING; 2 bad usage;
 130 interrupted (the call is cancelled, which frees the server's work).
@@ -8,17 +9,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import json
 import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
 
+from lmrpc.client import cli_openai
+from lmrpc.client.cli_output import file_or_text, print_json, unescape
 from lmrpc.client.client import DEFAULT_TARGET, Client, tls
 from lmrpc.client.errors import LmrpcError
 from lmrpc.client.results import FinishReason, GenerateDelta, GenerateResult, ServingStatus, merge
@@ -137,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     abort.add_argument("rid", nargs="*", help="request ids to abort")
     abort.add_argument("--all", action="store_true", help="abort every request")
     abort.set_defaults(command=cmd_abort)
+
+    cli_openai.add_parsers(sub, common)
     return parser
 
 
@@ -153,15 +156,6 @@ def channel_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | N
         raise ValueError(re.sub(r"\b(ca_cert|client_cert|client_key)\b", lambda m: flags[m.group(1)], str(e))) from None
 
 
-def unescape(text: str) -> str:
-    """Interpret backslash escapes (\\n, \\t, \\u00e9, ...) and keep every other character as it is."""
-    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
-
-
-def _file_or_text(value: str) -> str:
-    return Path(value[1:]).read_text() if value.startswith("@") else value
-
-
 def sampling_params_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling_params dict of `lmrpc generate`: --sampling-params JSON, then the flags given on top."""
     params: dict[str, Any] = json.loads(args.sampling_params) if args.sampling_params else {}
@@ -176,11 +170,11 @@ def sampling_params_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.stop:
         params["stop"] = [unescape(s) for s in args.stop]
     if args.json_schema is not None:
-        params["json_schema"] = _file_or_text(args.json_schema)
+        params["json_schema"] = file_or_text(args.json_schema)
     if args.json_object:
         params["json_schema"] = json.dumps({"type": "object"})
     if args.ebnf is not None:
-        params["ebnf"] = _file_or_text(args.ebnf)
+        params["ebnf"] = file_or_text(args.ebnf)
     return params
 
 
@@ -199,7 +193,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     elif args.json:
         deltas = []
         for delta in client.generate(text, stream=True, **kwargs):
-            _print_json(delta, out)
+            print_json(delta, out)
             deltas.append(delta)
         results = merge(deltas)
     else:
@@ -208,7 +202,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     if not args.stream:
         for r in results:
             if args.json:
-                _print_json(r, out)
+                print_json(r, out)
             else:
                 _print_text(r, single=len(results) == 1, out=out)
     for r in results:
@@ -255,27 +249,10 @@ def _print_summary(result: GenerateResult, count: int, err: TextIO) -> None:
     print(line, file=err)
 
 
-def _jsonable(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.name
-    if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    return value
-
-
-def _print_json(value: Any, out: TextIO) -> None:
-    out.write(json.dumps(_jsonable(value), ensure_ascii=False) + "\n")
-    out.flush()
-
-
 def cmd_info(client: Client, args: argparse.Namespace) -> int:
     info = client.model_info()
     if args.json:
-        _print_json(info, sys.stdout)
+        print_json(info, sys.stdout)
         return EXIT_OK
     for f in dataclasses.fields(info):
         value = getattr(info, f.name)

@@ -1,4 +1,5 @@
-"""Client and AsyncClient: typed wrappers over the lmrpc.v1 GenerateService and grpc.health.v1 Health stubs.
+"""Client and AsyncClient: typed wrappers over the lmrpc.v1 GenerateService and OpenAIService (complete, chat: see
+openai_calls.py) and grpc.health.v1 Health stubs.
 
 Both have the same methods; AsyncClient's are coroutines. Failed RPCs raise LmrpcError.
 """
@@ -18,8 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmrpc.client.convert import SamplingParamsLike, build_generate_request
 from lmrpc.client.errors import LmrpcError
+from lmrpc.client.openai_calls import AsyncOpenAIMethods, OpenAIMethods
 from lmrpc.client.results import GenerateDelta, GenerateResult, ModelInfo, ServingStatus, merge
-from lmrpc.v1 import generate_pb2, generate_pb2_grpc
+from lmrpc.v1 import generate_pb2, generate_pb2_grpc, openai_pb2_grpc
 
 DEFAULT_TARGET = "localhost:50051"
 Metadata = Sequence[tuple[str, str]]
@@ -124,7 +126,7 @@ class _Base:
         }
 
 
-class Client(_Base):
+class Client(_Base, OpenAIMethods):
     """Synchronous client. Use as a context manager, or call close()."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, credentials: grpc.ChannelCredentials | None = None,
@@ -133,6 +135,7 @@ class Client(_Base):
         super().__init__(target, credentials=credentials, options=options, timeout=timeout, metadata=metadata)
         self._channel: grpc.Channel = self._open(grpc)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+        self._openai = openai_pb2_grpc.OpenAIServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close(self) -> None:
@@ -251,7 +254,7 @@ class Client(_Base):
             raise LmrpcError.from_rpc_error(e) from None
 
 
-class AsyncClient(_Base):
+class AsyncClient(_Base, AsyncOpenAIMethods):
     """asyncio client (grpc.aio); create it inside the running event loop. Use `async with`, or await close()."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, credentials: grpc.ChannelCredentials | None = None,
@@ -260,6 +263,7 @@ class AsyncClient(_Base):
         super().__init__(target, credentials=credentials, options=options, timeout=timeout, metadata=metadata)
         self._channel: aio.Channel = self._open(aio)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+        self._openai = openai_pb2_grpc.OpenAIServiceStub(self._channel)  # the aio stub, for an aio channel
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def close(self) -> None:

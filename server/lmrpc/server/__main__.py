@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
                    help="unset temperature/top_p/top_k/min_p/repetition_penalty come from the model's "
                         "generation_config.json (model) or the OpenAI constants (openai)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="Jinja chat template for ChatComplete, replacing the model's (needed for a model without one)")
     p.add_argument("--enable-custom-logit-processor", action="store_true",
                    help="let requests name a server-registered logit processor (e.g. disallowed_tokens)")
     p.add_argument("--max-running-requests", type=int, default=64, help="outputs decoded at once (64)")
@@ -127,13 +129,30 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         _flag_error(e, ModelConfig, CacheConfig, SchedulerConfig, EngineConfig)
 
 
+def read_chat_template(path: str | None) -> str | None:
+    """--chat-template's text; an unreadable or empty file exits 2 with the reason."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"lmrpc-server: error: --chat-template: cannot read {path!r}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if not text.strip():
+        print(f"lmrpc-server: error: --chat-template: {path!r} is empty", file=sys.stderr)
+        raise SystemExit(2)
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     engine = engine_config(args)
     server_config = ServerConfig(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
                                  shutdown_grace=args.shutdown_grace, drain_delay=args.drain_delay,
-                                 transport=transport_config(args), metrics_port=args.metrics_port)
+                                 transport=transport_config(args), metrics_port=args.metrics_port,
+                                 chat_template=read_chat_template(args.chat_template))
     asyncio.run(serve(engine, server_config))
 
 

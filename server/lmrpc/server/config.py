@@ -148,6 +148,7 @@ class ServerConfig:
     drain_delay: float = 1.0  # seconds between NOT_SERVING and refusing new calls (lets balancers notice)
     transport: TransportConfig = field(default_factory=TransportConfig)  # TLS, keepalive, limits
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on host:metrics_port (0: a free one); None: off
+    chat_template: str | None = None  # Jinja chat template text (--chat-template FILE); None: the tokenizer's
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

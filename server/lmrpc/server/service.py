@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import grpc
 
 from lmrpc.server import validation
-from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.engine import AsyncEngine
-from lmrpc.server.metrics import Metrics
+from lmrpc.server.frontend import Frontend
 from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, TokenLogprob
 from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
@@ -62,30 +60,12 @@ def _finish_fields(out: EngineOutput, msg: generate_pb2.GenerateResponse) -> Non
 
 
 class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(
-        self, engine: AsyncEngine | None, engine_config: EngineConfig, server_config: ServerConfig,
-        metrics: Metrics | None = None,
-    ) -> None:
-        self._engine = engine  # None while the model loads: calls get UNAVAILABLE
-        self.metrics = metrics  # None: --metrics-port unset, nothing observed
-        self.engine_config = engine_config
-        self.server_config = server_config
-        self.draining = False  # set on SIGTERM after the drain delay: new calls get UNAVAILABLE
-        # Outputs admitted and not yet finished. Counted here, not read from the engine's queues: requests posted
-        # to the engine thread are not in its scheduler yet, so a burst would all pass an engine-side check.
-        self._outputs_in_flight = 0
-
-    def attach(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend  # the engine, admission control and the drain flag, shared with OpenAIService
 
     @property
     def engine(self) -> AsyncEngine:
-        assert self._engine is not None, "checked by _ready"
-        return self._engine
-
-    async def _ready(self, context: grpc.aio.ServicerContext) -> None:
-        if self._engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.frontend.engine
 
     # ---- request building --------------------------------------------------------------------------------------
 
@@ -98,12 +78,8 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             prompts = await asyncio.to_thread(lambda: [list(tokenizer.encode(t)) for t in req.text])
         else:
             prompts = [list(ids.ids) for ids in req.input_ids]
-        rids = list(req.rid) or (
-            [default_rid] if default_rid and num_prompts == 1 else [uuid.uuid4().hex for _ in range(num_prompts)]
-        )
-        for rid in rids:
-            if self.engine.is_live(rid):
-                raise validation.invalid("rid", f"request id {rid!r} is already running")
+        given: list[str | None] = list(req.rid) or ([default_rid] if num_prompts == 1 else [None] * num_prompts)
+        rids = [self.frontend.new_rid(rid) for rid in given]
         logprobs = None
         if req.return_logprob:
             logprobs = LogprobOptions(
@@ -112,7 +88,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 with_text=req.return_text_in_logprobs,
             )
         out: list[EngineRequest] = []
-        use_model = self.engine_config.sampling_defaults == "model"
+        use_model = self.frontend.engine_config.sampling_defaults == "model"
         for i, (prompt, rid) in enumerate(zip(prompts, rids, strict=True)):
             validation.check_prompt(prompt, i, info, req)
             if not req.sampling_params:
@@ -123,7 +99,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 pb, name = req.sampling_params[i], f"sampling_params[{i}]"
             params = validation.resolve_sampling(
                 pb, name, info, use_model, len(prompt), req.custom_logit_processor,
-                self.engine_config.enable_custom_logit_processor,
+                self.frontend.engine_config.enable_custom_logit_processor,
             )
             if params.logit_processor:
                 try:
@@ -149,55 +125,32 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        # Metrics, the call's span and the request log see every way a call ends, so the status is decided here.
-        call = CallObserver(self.metrics, rid=",".join(request.rid) or None)
-        status = grpc.StatusCode.UNKNOWN  # an unexpected exception: grpc answers UNKNOWN
-        try:
-            async for msg in self._generate(request, context, call):
-                yield msg
-            status = grpc.StatusCode.OK
-        except (asyncio.CancelledError, GeneratorExit):
-            remaining = context.time_remaining()
-            passed = remaining is not None and remaining <= 0
-            status = grpc.StatusCode.DEADLINE_EXCEEDED if passed else grpc.StatusCode.CANCELLED
-            raise
-        finally:
-            call.end(context.code() or status)  # code() is set by abort / abort_with_status
+        call = CallObserver(self.frontend.metrics, rid=",".join(request.rid) or None)
+        async for msg in self.frontend.observed(context, call, self._generate(request, context, call)):
+            yield msg
 
     async def _generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext, call: CallObserver
-    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        await self._ready(context)
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        metadata = dict(context.invocation_metadata() or ())
-        default_rid = metadata.get("x-request-id")
-        call.rid = call.rid or (str(default_rid) if default_rid else None)
+    ) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+        await self.frontend.check_open(context)
+        default_rid = self.frontend.metadata_rid(context)
+        call.rid = call.rid or default_rid
         try:
-            engine_requests = await self._build(request, str(default_rid) if default_rid else None)
+            engine_requests = await self._build(request, default_rid)
         except validation.RequestError as exc:
             await context.abort_with_status(validation.to_status(exc))
             return
-        limit = self.engine_config.scheduler.max_running_requests + self.server_config.max_queued_requests
-        if self._outputs_in_flight + len(engine_requests) > limit:
-            await context.abort_with_status(validation.resource_exhausted_status(limit))
-            return
-        self._outputs_in_flight += len(engine_requests)
-        call.queued(engine_requests)
-        try:
-            async for msg in self._stream(
-                request, engine_requests, str(default_rid) if default_rid else None, context, call
-            ):
+        async with self.frontend.admitted(context, engine_requests):
+            call.queued(engine_requests)
+            async for msg in self._stream(request, engine_requests, default_rid, context, call):
                 yield msg
-        finally:
-            self._outputs_in_flight -= len(engine_requests)
 
     async def _stream(
         self, request: generate_pb2.GenerateRequest, engine_requests: list[EngineRequest], default_rid: str | None,
         context: grpc.aio.ServicerContext, call: CallObserver,
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         if default_rid:
-            await context.send_initial_metadata((("x-request-id", str(default_rid)),))
+            await context.send_initial_metadata((("x-request-id", default_rid),))
         by_id = {r.request_id: r for r in engine_requests}
         merged = {r.request_id: _Merged(r.index, r.rid) for r in engine_requests}
         async for out in self.engine.generate(engine_requests):
@@ -229,17 +182,17 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
     async def Abort(
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.AbortResponse:
-        await self._ready(context)
+        await self.frontend.check_loaded(context)
         found = self.engine.abort(None if request.abort_all else list(request.rid))
         return generate_pb2.AbortResponse(aborted_rid=found)
 
     async def GetModelInfo(
         self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GetModelInfoResponse:
-        await self._ready(context)
+        await self.frontend.check_loaded(context)
         info = self.engine.model_info
         defaults = dict(validation.OPENAI_DEFAULTS)
-        if self.engine_config.sampling_defaults == "model":
+        if self.frontend.engine_config.sampling_defaults == "model":
             defaults.update(info.generation_defaults)
         return generate_pb2.GetModelInfoResponse(
             model_path=info.path, served_model_name=info.served_model_name, vocab_size=info.vocab_size,
@@ -258,7 +211,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
     async def Tokenize(
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.TokenizeResponse:
-        await self._ready(context)
+        await self.frontend.check_loaded(context)
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
         ids = await asyncio.to_thread(self.engine.tokenizer.encode, request.text, add_special_tokens=add)
         return generate_pb2.TokenizeResponse(token_ids=ids)
@@ -266,7 +219,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
     async def Detokenize(
         self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.DetokenizeResponse:
-        await self._ready(context)
+        await self.frontend.check_loaded(context)
         vocab = self.engine.model_info.vocab_size
         bad = next((t for t in request.token_ids if not 0 <= t < vocab), None)
         if bad is not None:

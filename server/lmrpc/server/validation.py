@@ -1,10 +1,14 @@
-"""Every user-error rule in one place. Rules collect typed violations; `abort_with` maps them to a gRPC status
-with google.rpc.BadRequest field violations (or UNIMPLEMENTED for features not built yet)."""
+"""User-error rules and their one mapping to gRPC statuses. Rules collect typed violations; `to_status` maps them to a
+status with google.rpc.BadRequest field violations (INVALID_ARGUMENT; UNIMPLEMENTED for features not built yet;
+NOT_FOUND for an unknown model) or a google.rpc.PreconditionFailure (FAILED_PRECONDITION).
+
+The rules of GenerateService's requests and the sampling parameters every RPC shares live here; the rules of the
+OpenAI-shaped requests, which map onto these, live in openai/validation.py."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +48,17 @@ def to_status(error: RequestError) -> grpc.Status:
     from grpc_status import rpc_status
 
     detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.BadRequest(field_violations=[
-        error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-        for v in error.violations
-    ]))
-    code = code_pb2.UNIMPLEMENTED if error.code is grpc.StatusCode.UNIMPLEMENTED else code_pb2.INVALID_ARGUMENT
+    if error.code is grpc.StatusCode.FAILED_PRECONDITION:
+        detail.Pack(error_details_pb2.PreconditionFailure(violations=[
+            error_details_pb2.PreconditionFailure.Violation(type=v.field, description=v.description)
+            for v in error.violations
+        ]))
+    else:
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+            for v in error.violations
+        ]))
+    code: int = error.code.value[0]  # grpc.StatusCode values are (number, name)
     return rpc_status.to_status(status_pb2.Status(code=code, message=str(error), details=[detail]))
 
 
@@ -63,7 +73,9 @@ def resource_exhausted_status(limit: int) -> grpc.Status:
         details=[detail]))
 
 
-class _Collector:
+class Collector:
+    """Gathers the violations of one request, so that the caller hears of all of them at once."""
+
     def __init__(self) -> None:
         self.violations: list[Violation] = []
 
@@ -77,7 +89,7 @@ class _Collector:
 
 
 def check_unbuilt(req: generate_pb2.GenerateRequest) -> None:
-    c = _Collector()
+    c = Collector()
     for name in UNBUILT_FIELDS:
         c.check(not getattr(req, name), name, "not supported yet by this server")
     c.raise_if_any(grpc.StatusCode.UNIMPLEMENTED)
@@ -85,7 +97,7 @@ def check_unbuilt(req: generate_pb2.GenerateRequest) -> None:
 
 def check_shape(req: generate_pb2.GenerateRequest) -> int:
     """Request shape; returns the number of prompts."""
-    c = _Collector()
+    c = Collector()
     kinds = [k for k in ("text", "input_ids") if len(getattr(req, k))]
     c.check(len(kinds) == 1, "text" if not kinds else kinds[1] if len(kinds) > 1 else kinds[0],
             "give exactly one of text or input_ids" if kinds else "no prompt: set text or input_ids")
@@ -108,13 +120,17 @@ def check_shape(req: generate_pb2.GenerateRequest) -> int:
     return n
 
 
-def check_prompt(ids: list[int], index: int, info: ModelInfo, req: generate_pb2.GenerateRequest) -> None:
-    c = _Collector()
-    field = f"input_ids[{index}]" if req.input_ids else f"text[{index}]"
+def check_prompt_ids(c: Collector, ids: list[int], field: str, info: ModelInfo) -> None:
+    """A tokenized prompt: ids in the vocabulary, and room left in the context for at least one token."""
     bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
     c.check(bad is None, field, f"token id {bad} outside [0, {info.vocab_size})")
     c.check(len(ids) < info.max_context_length, field,
             f"prompt has {len(ids)} tokens; the context holds {info.max_context_length}")
+
+
+def check_prompt(ids: list[int], index: int, info: ModelInfo, req: generate_pb2.GenerateRequest) -> None:
+    c = Collector()
+    check_prompt_ids(c, ids, f"input_ids[{index}]" if req.input_ids else f"text[{index}]", info)
     if req.HasField("logprob_start_len"):
         k = req.logprob_start_len
         c.check(-1 <= k <= len(ids), "logprob_start_len", f"must be in [-1, {len(ids)}] (prompt length), got {k}")
@@ -124,11 +140,17 @@ def check_prompt(ids: list[int], index: int, info: ModelInfo, req: generate_pb2.
 
 
 def resolve_sampling(
-    pb: generate_pb2.SamplingParams, field: str, info: ModelInfo, use_model_defaults: bool, prompt_len: int,
-    processor: str, processors_enabled: bool,
+    pb: generate_pb2.SamplingParams, field: str | Callable[[str], str], info: ModelInfo, use_model_defaults: bool,
+    prompt_len: int, processor: str, processors_enabled: bool,
 ) -> SamplingParams:
-    """Validate one SamplingParams and resolve its defaults (request > model generation_config > constants)."""
-    c = _Collector()
+    """Validate one SamplingParams and resolve its defaults (request > model generation_config > constants).
+
+    `field` names the violations: a prefix ("sampling_params[0]" -> "sampling_params[0].top_p"), or a function
+    from a SamplingParams field name to the request's field (an RPC whose request spells the parameters its own
+    way, e.g. "max_new_tokens" -> "max_tokens").
+    """
+    at = field if callable(field) else lambda name: f"{field}.{name}"
+    c = Collector()
     defaults = dict(OPENAI_DEFAULTS)
     if use_model_defaults:
         defaults.update(info.generation_defaults)
@@ -144,38 +166,38 @@ def resolve_sampling(
     max_new = pb.max_new_tokens if pb.HasField("max_new_tokens") else 128
     min_new = pb.min_new_tokens if pb.HasField("min_new_tokens") else 0
     n = pb.n if pb.HasField("n") else 1
-    c.check(temperature >= 0, f"{field}.temperature", f"must be >= 0, got {temperature}")
-    c.check(0 < top_p <= 1, f"{field}.top_p", f"must be in (0, 1], got {top_p}")
-    c.check(top_k == -1 or top_k >= 1, f"{field}.top_k", f"must be -1 or >= 1, got {top_k}")
-    c.check(0 <= min_p <= 1, f"{field}.min_p", f"must be in [0, 1], got {min_p}")
-    c.check(-2 <= freq <= 2, f"{field}.frequency_penalty", f"must be in [-2, 2], got {freq}")
-    c.check(-2 <= pres <= 2, f"{field}.presence_penalty", f"must be in [-2, 2], got {pres}")
-    c.check(0 <= rep <= 2, f"{field}.repetition_penalty", f"must be in [0, 2], got {rep}")
-    c.check(max_new >= 0, f"{field}.max_new_tokens", f"must be >= 0, got {max_new}")
-    c.check(0 <= min_new <= max(max_new, 0), f"{field}.min_new_tokens",
-            f"must be in [0, max_new_tokens={max_new}], got {min_new}")
-    c.check(n >= 1, f"{field}.n", f"must be >= 1, got {n}")
+    c.check(temperature >= 0, at("temperature"), f"must be >= 0, got {temperature}")
+    c.check(0 < top_p <= 1, at("top_p"), f"must be in (0, 1], got {top_p}")
+    c.check(top_k == -1 or top_k >= 1, at("top_k"), f"must be -1 or >= 1, got {top_k}")
+    c.check(0 <= min_p <= 1, at("min_p"), f"must be in [0, 1], got {min_p}")
+    c.check(-2 <= freq <= 2, at("frequency_penalty"), f"must be in [-2, 2], got {freq}")
+    c.check(-2 <= pres <= 2, at("presence_penalty"), f"must be in [-2, 2], got {pres}")
+    c.check(0 <= rep <= 2, at("repetition_penalty"), f"must be in [0, 2], got {rep}")
+    c.check(max_new >= 0, at("max_new_tokens"), f"must be >= 0, got {max_new}")
+    c.check(0 <= min_new <= max(max_new, 0), at("min_new_tokens"),
+            f"must be in [0, {max_new}] (the maximum number of tokens to generate), got {min_new}")
+    c.check(n >= 1, at("n"), f"must be >= 1, got {n}")
     for key, value in pb.logit_bias.items():
-        c.check(0 <= key < info.vocab_size, f"{field}.logit_bias", f"key {key} outside [0, {info.vocab_size})")
-        c.check(-100 <= value <= 100, f"{field}.logit_bias", f"value {value} for {key} outside [-100, 100]")
+        c.check(0 <= key < info.vocab_size, at("logit_bias"), f"key {key} outside [0, {info.vocab_size})")
+        c.check(-100 <= value <= 100, at("logit_bias"), f"value {value} for {key} outside [-100, 100]")
     for t in pb.stop_token_ids:
-        c.check(0 <= t < info.vocab_size, f"{field}.stop_token_ids", f"token id {t} outside [0, {info.vocab_size})")
+        c.check(0 <= t < info.vocab_size, at("stop_token_ids"), f"token id {t} outside [0, {info.vocab_size})")
     for s in pb.stop:
-        c.check(bool(s), f"{field}.stop", "stop strings must not be empty")
+        c.check(bool(s), at("stop"), "stop strings must not be empty")
     for pattern in pb.stop_regex:
         try:
             re.compile(pattern)
         except re.error as exc:
-            c.violations.append(Violation(f"{field}.stop_regex", f"invalid pattern {pattern!r}: {exc}"))
+            c.violations.append(Violation(at("stop_regex"), f"invalid pattern {pattern!r}: {exc}"))
     c.check(not processor or processors_enabled, "custom_logit_processor",
             "custom logit processors are disabled (server flag --enable-custom-logit-processor)")
     kind = pb.WhichOneof("constraint")
     json_whitespace = pb.json_whitespace_flexible if pb.HasField("json_whitespace_flexible") else None
-    c.check(json_whitespace is None or kind in ("json_schema", "structural_tag"), f"{field}.json_whitespace_flexible",
+    c.check(json_whitespace is None or kind in ("json_schema", "structural_tag"), at("json_whitespace_flexible"),
             f"applies only with json_schema or structural_tag, got {kind or 'no constraint'}")
     c.raise_if_any()
     params: Mapping[str, object] = (
-        _whole_numbers_as_ints(json_format.MessageToDict(pb.custom_params)) if pb.HasField("custom_params") else {}
+        whole_numbers_as_ints(json_format.MessageToDict(pb.custom_params)) if pb.HasField("custom_params") else {}
     )
     return SamplingParams(
         max_new_tokens=min(max_new, max(0, info.max_context_length - prompt_len)),
@@ -197,12 +219,12 @@ def invalid(field: str, description: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, [Violation(field, description)])
 
 
-def _whole_numbers_as_ints(value: Any) -> Any:
+def whole_numbers_as_ints(value: Any) -> Any:
     """google.protobuf.Struct carries every number as a double; processors expect token ids as ints."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, list):
-        return [_whole_numbers_as_ints(v) for v in value]
+        return [whole_numbers_as_ints(v) for v in value]
     if isinstance(value, dict):
-        return {k: _whole_numbers_as_ints(v) for k, v in value.items()}
+        return {k: whole_numbers_as_ints(v) for k, v in value.items()}
     return value

@@ -45,12 +45,16 @@ function findGoogleapis(given) {
     + "pass --googleapis DIR");
 }
 
-function loadService(target) {
-  const definition = protoLoader.loadSync("lmrpc/v1/generate.proto", {
+function loadServices(target) {
+  const definition = protoLoader.loadSync(["lmrpc/v1/generate.proto", "lmrpc/v1/openai.proto"], {
     keepCase: true, longs: String, enums: String, defaults: true, oneofs: true, includeDirs: [PROTO_ROOT],
   });
   const lmrpc = grpc.loadPackageDefinition(definition).lmrpc.v1;
-  return new lmrpc.GenerateService(target, grpc.credentials.createInsecure());
+  const credentials = grpc.credentials.createInsecure();
+  return {
+    generate: new lmrpc.GenerateService(target, credentials),
+    openai: new lmrpc.OpenAIService(target, credentials),
+  };
 }
 
 function loadRpcTypes(googleapis) {
@@ -139,16 +143,73 @@ async function checkCancel(client) {
   return { code, deltas_before_cancel: outcome.seen, still_running_after: aborted.aborted_rid };
 }
 
-// (c) An invalid request is INVALID_ARGUMENT with a google.rpc.Status + BadRequest naming the field.
-async function checkInvalid(client, { Status, root }) {
-  const request = { text: ["hi"], sampling_params: [{ temperature: -1 }] };
-  const err = await new Promise((resolve) => {
-    const call = client.Generate(request, { deadline: deadline() });
+function collect(client, method, request) {
+  return new Promise((resolve, reject) => {
+    const got = [];
+    const call = client[method](request, { deadline: deadline() });
+    call.on("data", (m) => got.push(m));
+    call.on("error", reject);
+    call.on("end", () => resolve(got));
+  });
+}
+
+function failure(client, method, request) {
+  return new Promise((resolve) => {
+    const call = client[method](request, { deadline: deadline() });
     call.on("data", () => {});
     call.on("error", resolve);
     call.on("end", () => resolve(null));
   });
-  check(err !== null, "temperature -1 was accepted");
+}
+
+// (d) OpenAIService.Complete, streamed with usage: chunks of one choice, a last chunk with only the usage.
+async function checkComplete(client) {
+  const request = {
+    prompt: ["The capital of France is"], max_tokens: 6, temperature: 0, stream: true,
+    stream_options: { include_usage: true },
+  };
+  const chunks = await collect(client, "Complete", request);
+  const usageChunk = chunks[chunks.length - 1];
+  const textChunks = chunks.slice(0, -1);
+  check(textChunks.length >= 1, `expected text chunks, got ${chunks.length} messages`);
+  check(usageChunk.choices.length === 0 && usageChunk.usage !== null, "the last chunk is not a usage chunk");
+  check(textChunks.every((c) => c.choices.length === 1 && c.object === "text_completion" && c.id === usageChunk.id),
+    "text chunks must carry one choice each, under one id");
+  const finish = textChunks[textChunks.length - 1].choices[0].finish_reason;
+  check(["COMPLETION_FINISH_REASON_LENGTH", "COMPLETION_FINISH_REASON_STOP"].includes(finish),
+    `unexpected finish_reason ${finish}`);
+  const text = textChunks.map((c) => c.choices[0].text).join("");
+  check(usageChunk.usage.completion_tokens > 0 && usageChunk.usage.completion_tokens <= 6,
+    `completion_tokens ${usageChunk.usage.completion_tokens}`);
+  check(usageChunk.usage.total_tokens === usageChunk.usage.prompt_tokens + usageChunk.usage.completion_tokens,
+    "total_tokens is not the sum");
+  return { chunks: chunks.length, text, finish_reason: finish, usage: usageChunk.usage, model: usageChunk.model };
+}
+
+// (e) OpenAIService.ChatComplete, not streamed: one message, the assistant's answer; an empty conversation is
+// INVALID_ARGUMENT naming messages.
+async function checkChat(client, rpcTypes) {
+  const request = { messages: [{ role: "user", content: "Say hello." }], max_tokens: 8, temperature: 0 };
+  const replies = await collect(client, "ChatComplete", request);
+  check(replies.length === 1, `expected one message, got ${replies.length}`);
+  const [reply] = replies;
+  check(reply.object === "chat.completion" && reply.id.startsWith("chatcmpl-"), `object ${reply.object}`);
+  const [choice] = reply.choices;
+  check(choice.message.role === "assistant" && choice.message.content, "no assistant content");
+  check(reply.usage.prompt_tokens > 0, "usage.prompt_tokens is 0");
+  const invalid = await checkInvalidRequest(client, rpcTypes, "ChatComplete", { messages: [] }, "messages", "empty");
+  return { content: choice.message.content, finish_reason: choice.finish_reason, usage: reply.usage, invalid };
+}
+
+// (c) An invalid request is INVALID_ARGUMENT with a google.rpc.Status + BadRequest naming the field.
+async function checkInvalid(client, rpcTypes) {
+  const request = { text: ["hi"], sampling_params: [{ temperature: -1 }] };
+  return checkInvalidRequest(client, rpcTypes, "Generate", request, "sampling_params[0].temperature", ">= 0");
+}
+
+async function checkInvalidRequest(client, { Status, root }, method, request, field, range) {
+  const err = await failure(client, method, request);
+  check(err !== null, `${method} accepted an invalid ${field}`);
   const code = grpc.status[err.code];
   check(err.code === grpc.status.INVALID_ARGUMENT, `expected INVALID_ARGUMENT, got ${code}: ${err.details}`);
   const [raw] = err.metadata.get("grpc-status-details-bin");
@@ -164,10 +225,9 @@ async function checkInvalid(client, { Status, root }) {
     violations.push(...BadRequest.toObject(BadRequest.decode(any.value), { defaults: true }).field_violations);
   }
   check(violations.length > 0, `no google.rpc.BadRequest in the details: ${status.details.map((d) => d.type_url)}`);
-  const field = "sampling_params[0].temperature";
   const hit = violations.find((v) => v.field === field);
   check(hit !== undefined, `no violation names ${field}: ${JSON.stringify(violations)}`);
-  check(hit.description.includes(">= 0"), `the violation does not give the range: ${hit.description}`);
+  check(hit.description.includes(range), `the violation does not say ${range}: ${hit.description}`);
   return {
     code, status_code: status.code, message: status.message,
     field_violations: violations.map((v) => ({ field: v.field, description: v.description })),
@@ -177,10 +237,11 @@ async function checkInvalid(client, { Status, root }) {
 async function main() {
   const args = parseArgs(process.argv.slice(2));
   const rpcTypes = loadRpcTypes(findGoogleapis(args.googleapis));
-  const client = loadService(args.target);
+  const { generate: client, openai } = loadServices(args.target);
   const summary = { target: args.target, ok: true, failures: [] };
   const checks = [["stream", () => checkStream(client)], ["cancel", () => checkCancel(client)],
-    ["invalid_argument", () => checkInvalid(client, rpcTypes)]];
+    ["invalid_argument", () => checkInvalid(client, rpcTypes)], ["complete", () => checkComplete(openai)],
+    ["chat", () => checkChat(openai, rpcTypes)]];
   for (const [name, run] of checks) {
     try {
       summary[name] = await run();
@@ -193,6 +254,7 @@ async function main() {
     }
   }
   client.close();
+  openai.close();
   console.log(JSON.stringify(summary, null, 2));
   process.exitCode = summary.ok ? 0 : 1;
 }

@@ -303,6 +303,11 @@ class GrammarBackend:
             return str(exc)
         return None
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (a byte-level token may hold part of a UTF-8 character); special tokens as their
+        text. Thread-safe (llguidance's tokenizer is immutable)."""
+        return bytes(self._tokenizer.decode_bytes([token_id]))
+
     def new_matcher(self, constraint: Constraint) -> GrammarMatcher:
         matcher = llguidance.LLMatcher(self._tokenizer, self.compile(constraint))
         if matcher.is_error():

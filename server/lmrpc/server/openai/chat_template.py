@@ -1,0 +1,128 @@
+"""Chat templates: a conversation (ChatMessage list) rendered into the model's prompt text.
+
+The template is the tokenizer's (tokenizer_config.json's chat_template, or a GGUF's), unless the server was started
+with --chat-template FILE. Rendering is transformers' own apply_chat_template (the sandboxed Jinja environment and
+helpers every template is written against), so a prompt is exactly what the tokenizer would make of the same
+messages. Tools are handed to the template; a template that does not render them gets them described in a system
+message in the Hermes format instead (see tools.py), so that the model knows what it may call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import jinja2
+from transformers import PreTrainedTokenizerBase
+
+from lmrpc.server import validation
+from lmrpc.server.openai import tools as tool_calls
+from lmrpc.server.openai.validation import ToolSpec
+from lmrpc.v1 import openai_pb2
+
+Message = dict[str, Any]  # one message as templates read it: OpenAI's JSON form
+# Names chat_template_kwargs may not use: apply_chat_template's own parameters.
+# "messages" is what transformers hands the template the conversation as.
+RESERVED_KWARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self", "kwargs"} | {"messages"}
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation rendered for the model."""
+
+    text: str  # the prompt text (special tokens spelled out, as the template writes them)
+    tool_format_known: bool  # the model's tool-call format is Hermes' (the template's, or the one we described)
+
+
+class ChatTemplate:
+    """The server's chat template: the override's text, else the tokenizer's; None when it has none."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, override: str | None = None) -> None:
+        self._tokenizer = tokenizer
+        source = override if override is not None else getattr(tokenizer, "chat_template", None)
+        # A tokenizer may carry several named templates; "default" is the one a plain render uses.
+        if isinstance(source, Mapping):
+            source = source.get("default")
+        self.source: str | None = source if isinstance(source, str) and source.strip() else None
+
+    def require(self) -> str:
+        if self.source is None:
+            raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
+                "chat_template", "the model has no chat template (tokenizer_config.json has no chat_template); "
+                                 "start the server with --chat-template FILE")])
+        return self.source
+
+    def render(self, messages: Sequence[openai_pb2.ChatMessage], tools: Sequence[ToolSpec], *,
+               add_generation_prompt: bool, continue_final_message: bool,
+               template_kwargs: Mapping[str, Any]) -> Rendered:
+        """Render the conversation (blocking: call it off the event loop). A template error is INVALID_ARGUMENT
+        naming messages, with the template's message."""
+        source = self.require()
+        conversation = [template_message(m) for m in messages]
+        tool_dicts: list[dict[Any, Any] | Callable[..., Any]] | None = [_tool_dict(t) for t in tools] or None
+
+        def run(conv: list[Message], with_tools: list[dict[Any, Any] | Callable[..., Any]] | None) -> str:
+            text = self._tokenizer.apply_chat_template(
+                conv, tools=with_tools, chat_template=source, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False, **template_kwargs)
+            assert isinstance(text, str)
+            return text
+
+        try:
+            if tool_dicts is None:
+                return Rendered(run(conversation, None), tool_format_known=False)
+            text = run(conversation, tool_dicts)
+            if text != run(conversation, None):  # the template renders tools itself
+                return Rendered(text, tool_format_known=tool_calls.CALL_BEGIN in source)
+            described = described_tools(messages, tools)
+            return Rendered(run(described, None), tool_format_known=True)
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            # What a template (or transformers around it) raises on a conversation it cannot render: the template's
+            # raise_exception(...) and undefined names are TemplateErrors, str + None in it a TypeError, and
+            # transformers' checks (continue_final_message) ValueErrors.
+            raise validation.invalid("messages", f"the chat template cannot render them: {exc}") from exc
+
+
+def template_message(m: openai_pb2.ChatMessage) -> Message:
+    """A message in OpenAI's JSON form, as templates expect it: content a string (text parts joined with "\\n"),
+    tool calls' arguments as objects (templates write them with tojson)."""
+    content = m.content if m.HasField("content") else "\n".join(p.text for p in m.content_parts)
+    message: Message = {"role": m.role, "content": content}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}}
+            for c in m.tool_calls]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def described_tools(messages: Sequence[openai_pb2.ChatMessage], tools: Sequence[ToolSpec]) -> list[Message]:
+    """The conversation for a template that ignores tools: the tools described in the system message (appended to
+    the first one, or a new one first), and past calls written into their messages' content in the same format."""
+    prompt = tool_calls.hermes_system_prompt(tools)
+    conversation = [template_message(m) for m in messages]
+    for message, m in zip(conversation, messages, strict=True):
+        if m.tool_calls:
+            calls = "\n".join(tool_calls.hermes_call_text(c.function.name, c.function.arguments) for c in m.tool_calls)
+            message["content"] = f"{message['content']}\n{calls}" if message["content"] else calls
+            del message["tool_calls"]
+    if conversation and conversation[0]["role"] == "system":
+        first = conversation[0]
+        first["content"] = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
+    else:
+        conversation.insert(0, {"role": "system", "content": prompt})
+    return conversation
+
+
+def _tool_dict(tool: ToolSpec) -> Message:
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": dict(tool.parameters)}}

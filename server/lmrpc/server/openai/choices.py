@@ -1,0 +1,132 @@
+"""From OpenAI requests to engine requests and back: the fan-out (prompt x candidate), the engine outputs gathered
+into candidates, best_of's choice of the best, finish reasons, and the call's usage."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from lmrpc.server.protocol import (
+    EngineOutput,
+    EngineRequest,
+    Finish,
+    FinishReason,
+    LogprobOptions,
+    PositionLogprobs,
+    SamplingParams,
+)
+from lmrpc.v1 import openai_pb2
+
+_STOP_REASONS = (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING, FinishReason.STOP_REGEX,
+                 FinishReason.GRAMMAR_END)
+
+
+class EngineFailure(Exception):
+    """An output the engine ended with ERROR: the call fails (INTERNAL) with the engine's message."""
+
+
+def engine_requests(rid: str, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], candidates: int,
+                    logprobs: LogprobOptions | None) -> list[EngineRequest]:
+    """`candidates` outputs per prompt, prompt-major; candidate i is seeded seed + i (seeded samples must differ),
+    and candidates 1.. reuse candidate 0's prompt pages (prefill shared through the prefix cache)."""
+    out = []
+    for p, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+        for c in range(candidates):
+            seed = None if prompt_params.seed is None else prompt_params.seed + c
+            out.append(EngineRequest(
+                request_id=f"{rid}/{p}.{c}", rid=rid, index=p * candidates + c, prompt_ids=tuple(prompt),
+                params=replace(prompt_params, seed=seed, n=candidates), logprobs=logprobs,
+                share_prefill_with=None if c == 0 else f"{rid}/{p}.0",
+            ))
+    return out
+
+
+@dataclass
+class Candidate:
+    """One engine output gathered so far."""
+
+    request: EngineRequest  # what was asked
+    prompt: int  # the prompt's index in the call
+    number: int  # the candidate's index among its prompt's
+    token_ids: list[int] = field(default_factory=list)  # generated ids, in order
+    text: list[str] = field(default_factory=list)  # text pieces, in order
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)  # one per generated token, when asked
+    input_logprobs: list[PositionLogprobs] = field(default_factory=list)  # the prompt's, when asked
+    finish: Finish | None = None  # set once finished
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once finished)
+
+    @classmethod
+    def of(cls, request: EngineRequest, candidates: int) -> Candidate:
+        return cls(request, request.index // candidates, request.index % candidates)
+
+    def add(self, out: EngineOutput) -> None:
+        if out.finish is not None and out.finish.reason is FinishReason.ERROR:
+            raise EngineFailure(out.finish.message or "the engine failed this request")
+        self.token_ids.extend(out.token_ids)
+        self.text.append(out.text)
+        self.output_logprobs.extend(out.output_logprobs)
+        self.input_logprobs.extend(out.input_logprobs)
+        if out.finish is not None:
+            self.finish = out.finish
+        if out.usage is not None:
+            self.cached_tokens = out.usage.cached_tokens
+
+    @property
+    def mean_logprob(self) -> float:
+        """best_of's score: the mean logprob of the generated tokens (the stop token included); -inf if none."""
+        scores = [p.chosen.logprob for p in self.output_logprobs if p.chosen.logprob is not None]
+        return math.fsum(scores) / len(scores) if scores else -math.inf
+
+
+def best(candidates: Sequence[Candidate], n: int) -> list[Candidate]:
+    """The n candidates with the highest mean token logprob, best first (ties: the earlier candidate)."""
+    if len(candidates) == n:
+        return list(candidates)
+    return sorted(candidates, key=lambda c: (-c.mean_logprob, c.number))[:n]
+
+
+def finish_reason(finish: Finish | None) -> openai_pb2.CompletionFinishReason.ValueType:
+    if finish is None:
+        return openai_pb2.COMPLETION_FINISH_REASON_UNSPECIFIED
+    if finish.reason in _STOP_REASONS:
+        return openai_pb2.COMPLETION_FINISH_REASON_STOP
+    if finish.reason is FinishReason.LENGTH:
+        return openai_pb2.COMPLETION_FINISH_REASON_LENGTH
+    return openai_pb2.COMPLETION_FINISH_REASON_ABORT  # ERROR never gets here: it fails the call
+
+
+def set_finish(choice: openai_pb2.CompletionChoice | openai_pb2.ChatChoice, finish: Finish | None) -> None:
+    """finish_reason, and matched_stop for the stop reasons."""
+    choice.finish_reason = finish_reason(finish)
+    if finish is None or finish.reason not in _STOP_REASONS:
+        return
+    if finish.matched_token_id is not None:
+        choice.matched_stop_token_id = finish.matched_token_id
+    elif finish.matched_text is not None:
+        choice.matched_stop_text = finish.matched_text
+
+
+class CallUsage:
+    """The call's token counts: each prompt once, every generated token (best_of's discarded candidates too)."""
+
+    def __init__(self, prompt_lengths: Sequence[int], details: bool) -> None:
+        self.prompt_tokens = sum(prompt_lengths)
+        self.completion_tokens = 0
+        self._cached: dict[int, int] = {}  # prompt index -> cached tokens of its candidate 0
+        self._details = details  # report where cached tokens were kept
+
+    def add(self, candidate: Candidate, out: EngineOutput) -> None:
+        self.completion_tokens += len(out.token_ids)
+        if out.usage is not None and candidate.number == 0:
+            # Candidates 1.. are prefix-cache hits of candidate 0 by design: the prompt's figure is candidate 0's.
+            self._cached[candidate.prompt] = out.usage.cached_tokens
+
+    def pb(self) -> openai_pb2.CompletionUsage:
+        cached = sum(self._cached.values())
+        details = openai_pb2.PromptTokensDetails(cached_tokens=cached)
+        if self._details:
+            details.cached_tokens_details.CopyFrom(openai_pb2.CachedTokensDetails(device=cached, host=0))
+        return openai_pb2.CompletionUsage(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens, prompt_tokens_details=details)

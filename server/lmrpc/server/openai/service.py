@@ -1,0 +1,118 @@
+"""The OpenAIService servicer: Complete and ChatComplete over the shared Frontend (engine, admission, drain)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Protocol, TypeVar, cast
+
+import grpc
+
+from lmrpc.server import validation
+from lmrpc.server.frontend import Frontend
+from lmrpc.server.openai import chat, completions, fim
+from lmrpc.server.openai.chat_template import ChatTemplate
+from lmrpc.server.openai.choices import EngineFailure
+from lmrpc.server.protocol import EngineOutput, EngineRequest
+from lmrpc.server.telemetry import CallObserver
+from lmrpc.v1 import openai_pb2, openai_pb2_grpc
+
+Response = TypeVar("Response")
+
+
+class _Plan(Protocol):
+    @property
+    def requests(self) -> tuple[EngineRequest, ...]: ...
+
+
+P = TypeVar("P", bound=_Plan)
+
+
+class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
+    def __init__(self, frontend: Frontend, chat_template: str | None = None) -> None:
+        self.frontend = frontend  # shared with GenerateService: one engine, one admission limit
+        self._template_override = chat_template  # --chat-template's text; None: the tokenizer's template
+        self._template: ChatTemplate | None = None  # built from the tokenizer once the model is loaded
+        self._fim: fim.FimTokens | None = None  # the tokenizer's fill-in-the-middle tokens, if any
+
+    def _model_parts(self) -> tuple[ChatTemplate, fim.FimTokens | None]:
+        """The template and FIM tokens, read from the tokenizer at the first call after the model loaded."""
+        if self._template is None:
+            tokenizer = self.frontend.engine.tokenizer
+            self._template = ChatTemplate(tokenizer, self._template_override)
+            self._fim = fim.find_fim_tokens(tokenizer)
+        return self._template, self._fim
+
+    @property
+    def _capacity(self) -> int:
+        config = self.frontend
+        return config.engine_config.scheduler.max_running_requests + config.server_config.max_queued_requests
+
+    @property
+    def _model_defaults(self) -> bool:
+        return self.frontend.engine_config.sampling_defaults == "model"
+
+    async def Complete(
+        self, request: openai_pb2.CompleteRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[openai_pb2.CompleteResponse]:
+        call = CallObserver(self.frontend.metrics, rid=request.rid or None)
+
+        async def build(rid: str) -> completions.CompletionPlan:
+            _, fim_tokens = self._model_parts()
+            return await completions.plan(request, self.frontend.engine, fim_tokens, rid, self._model_defaults,
+                                          self._capacity)
+
+        def answer(plan: completions.CompletionPlan,
+                   outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[openai_pb2.CompleteResponse]:
+            return completions.CompletionStream(plan, self.frontend.engine, call).respond(outputs)
+
+        async for msg in self.frontend.observed(context, call, self._run(context, call, request.rid, build, answer)):
+            yield msg
+
+    async def ChatComplete(
+        self, request: openai_pb2.ChatCompleteRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[openai_pb2.ChatCompleteResponse]:
+        call = CallObserver(self.frontend.metrics, rid=request.rid or None)
+
+        async def build(rid: str) -> chat.ChatPlan:
+            template, _ = self._model_parts()
+            return await chat.plan(request, self.frontend.engine, template, rid, self._model_defaults,
+                                   self._capacity)
+
+        def answer(plan: chat.ChatPlan,
+                   outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[openai_pb2.ChatCompleteResponse]:
+            return chat.ChatStream(plan, self.frontend.engine, call).respond(outputs)
+
+        async for msg in self.frontend.observed(context, call, self._run(context, call, request.rid, build, answer)):
+            yield msg
+
+    async def _run(
+        self, context: grpc.aio.ServicerContext, call: CallObserver, given_rid: str,
+        build: Callable[[str], Awaitable[P]],
+        answer: Callable[[P, AsyncIterator[EngineOutput]], AsyncIterator[Response]],
+    ) -> AsyncGenerator[Response, None]:
+        """What both RPCs do: check the server is open, plan (user errors end the call with their status), admit,
+        run the engine requests and answer from their outputs."""
+        await self.frontend.check_open(context)
+        default_rid = self.frontend.metadata_rid(context)
+        call.rid = call.rid or default_rid
+        try:
+            rid = self.frontend.new_rid(given_rid or default_rid)
+            plan = await build(rid)
+        except validation.RequestError as exc:
+            await context.abort_with_status(validation.to_status(exc))
+            return
+        requests = list(plan.requests)
+        async with self.frontend.admitted(context, requests):
+            call.queued(requests)
+            if default_rid:
+                await context.send_initial_metadata((("x-request-id", default_rid),))
+            try:
+                # Closed here however the call ends, so that unfinished engine requests are aborted at once (it is
+                # an async generator, typed as the iterator the engine protocol promises).
+                generation = cast(AsyncGenerator[EngineOutput, None], self.frontend.engine.generate(requests))
+                async with aclosing(generation) as outputs:
+                    async for msg in answer(plan, outputs):
+                        yield msg
+            except EngineFailure as exc:
+                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
