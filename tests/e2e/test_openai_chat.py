@@ -49,9 +49,6 @@ def test_continue_final_message_equals_the_tokenizers(client: Client,
     assert answer.choices[0].prompt_token_ids == expected
 
 
-@pytest.mark.xfail(strict=True, reason="route-dependent numerics, issue 11: computed cold, the chat prompt's first "
-                                       "token is an exact tie between 'L' and 'The' in bf16 (a prefix-cache hit "
-                                       "gives 'The' by 0.125 nat, as HF does), and greedy picks 'L'")
 def test_capital_of_france_through_chat(client: Client) -> None:
     [choice] = client.chat("What is the capital of France?", max_tokens=32, temperature=0).choices
     assert "Paris" in (choice.message.content or ""), choice.message.content
@@ -116,9 +113,6 @@ def test_streamed_chat_chunks(client: Client) -> None:
     assert merged.logprobs is not None and len(merged.logprobs) == len(merged.token_ids)
 
 
-@pytest.mark.xfail(strict=True, reason="route-dependent numerics, issue 11: the streamed call computes the prompt "
-                                       "cold, the merged one hits the prefix cache, and greedy takes another first "
-                                       "token (two merged calls differ the same way)")
 def test_streamed_chat_equals_merged_chat(client: Client) -> None:
     ask: dict[str, Any] = {"max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2,
                            "return_token_ids": True}
