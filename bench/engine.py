@@ -1,7 +1,7 @@
 """Engine throughput next to HF transformers' `generate`, same weights, same dtype, one run.
 
-    .venv/bin/python bench/engine.py [--model DIR] [--dtype bfloat16] [--batches 1 8 32] [--prompt-len 128]
-                                     [--new-tokens 128] [--repeats 5] [--skip-hf] [--no-auto]
+    .venv/bin/python bench/engine.py [--model DIR] [--dtype bfloat16] [--quantization none] [--batches 1 8 32]
+                                     [--prompt-len 128] [--new-tokens 128] [--repeats 5] [--skip-hf] [--no-auto]
 
 For each concurrency B it prints decode tok/s (all sequences' generated tokens after the first, over the time
 after the first token) and prefill tok/s, for lmrpc's engine and for HF (greedy, EOS ignored, equal-length random
@@ -12,8 +12,10 @@ kernels run on an OpenMP pool per calling thread, and a pool left behind by one 
 systems then take turns: each of --repeats rounds runs every batch size on every system back to back (the order of
 the systems alternating between rounds), so a shared machine's slow and fast minutes fall on both alike. Figures
 are medians over rounds; "ratio" is the median over rounds of lmrpc / HF within the round. Both run the same
-weights in --dtype (bf16 by default); where lmrpc's default `--dtype auto` means another dtype on this CPU (float32
-without bf16 instructions), lmrpc is also measured at it, in extra columns.
+weights in --dtype (bf16 by default): lmrpc with --quantization none unless told otherwise (its default for the
+bundled GGUF is its own int4 blocks, which HF would dequantize); where lmrpc's default `--dtype auto` means another
+dtype on this CPU (float32 without bf16 instructions), lmrpc is also measured at it, in extra columns. The served
+comparison with llama.cpp is bench/served.py.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def lmrpc_worker(args: argparse.Namespace, dtype: str) -> Run:
     from lmrpc.server.protocol import EngineRequest, SamplingParams
 
     engine = AsyncEngine.start(EngineConfig(
-        model=ModelConfig(path=args.model, dtype=dtype, device="cpu"),
+        model=ModelConfig(path=args.model, dtype=dtype, device="cpu", quantization=args.quantization),
         # no prefix cache: every run computes its prompts afresh, as HF does
         cache=CacheConfig(num_tokens=max(args.batches) * (args.prompt_len + args.new_tokens) * 2,
                           enable_prefix_cache=False),
@@ -93,8 +95,12 @@ def hf_worker(args: argparse.Namespace, dtype: str) -> Run:
     from lmrpc.server.config import ModelConfig
     from lmrpc.server.models.loader import resolve_model_path
 
-    path = resolve_model_path(ModelConfig(path=args.model))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    path, gguf = resolve_model_path(ModelConfig(path=args.model))
+    if gguf is not None:  # transformers dequantizes the GGUF file itself
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model.eval()
 
     def gen(batch: list[list[int]], n: int) -> float:
         ids = torch.tensor(batch)
@@ -164,6 +170,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF model directory or GGUF (default: embedded SmolLM2)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="none", choices=("auto", "none", "int8", "int4"),
+                        help="lmrpc's weights (none: the same dense weights HF runs)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
