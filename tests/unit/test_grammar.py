@@ -6,6 +6,7 @@ unconstrained outputs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -20,7 +21,15 @@ from transformers import PreTrainedTokenizerBase
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.engine import AsyncEngine
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, MaskFiller
-from lmrpc.server.protocol import Constraint, ConstraintKind, EngineRequest, Finish, FinishReason, SamplingParams
+from lmrpc.server.protocol import (
+    Constraint,
+    ConstraintKind,
+    EngineRequest,
+    Finish,
+    FinishReason,
+    LogprobOptions,
+    SamplingParams,
+)
 
 VOCAB = 49152
 GRAMMAR_END, LENGTH = FinishReason.GRAMMAR_END, FinishReason.LENGTH
@@ -462,6 +471,38 @@ async def test_json_schemas_validate(real_engine: AsyncEngine, smollm2_tokenizer
     ended = sum(r.finish.reason is GRAMMAR_END for r in results)
     assert ended >= 8, [r.text for r in results if r.finish.reason is not GRAMMAR_END]
 
+
+
+async def test_greedy_rows_sample_before_their_mask_and_get_the_masked_token(
+        real_engine: AsyncEngine, smollm2_tokenizer: PreTrainedTokenizerBase,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy rows without logprobs are sampled unmasked and masked only when the grammar rejects the token
+    (LiveRequest.lazy_grammar); asking for logprobs masks every step up front. Both give the same tokens, and the
+    rejection path runs (the model's unmasked choice breaks the schema at some steps)."""
+    filled_now: list[int] = []
+    original = MaskFiller.fill_now
+
+    def counting(self: MaskFiller, matchers: list[GrammarMatcher]) -> Any:
+        filled_now.append(len(matchers))
+        return original(self, matchers)
+
+    monkeypatch.setattr(MaskFiller, "fill_now", counting)
+    picked = [SCHEMAS[i] for i in (0, 3, 7)]
+    prompts = [chat(smollm2_tokenizer, f"{task} Answer in JSON only.") for task, _ in picked]
+
+    def params(schema: dict[str, Any]) -> SamplingParams:
+        return SamplingParams(max_new_tokens=96, temperature=0.0, constraint=json_constraint(schema))
+
+    lazy = await run(real_engine, [request(p, params(s)) for p, (_, s) in zip(prompts, picked, strict=True)])
+    assert sum(filled_now) > 0  # some unmasked choices were rejected and sampled again with their mask
+    eager_reqs = [dataclasses.replace(request(p, params(s)), logprobs=LogprobOptions())
+                  for p, (_, s) in zip(prompts, picked, strict=True)]
+    filled_now.clear()
+    eager = await run(real_engine, eager_reqs)
+    assert filled_now == []  # rows with logprobs never take the lazy path
+    for (_, schema), a, b in zip(picked, lazy, eager, strict=True):
+        assert a.token_ids == b.token_ids and a.finish == b.finish
+        assert_obeys(real_engine.grammar, json_constraint(schema), a)
 
 def _dumps_layout(text: str) -> bool:
     """No whitespace outside strings except exactly one space after each ',' and ':' (json.dumps' layout)."""

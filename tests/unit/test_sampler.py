@@ -28,6 +28,7 @@ def _run(sampler: Sampler, logits: torch.Tensor, state: SamplingState, steps: in
     out = []
     for pos in range(steps):
         out.append(sampler.sample(logits.clone(), [SamplingRow(state, pos, None, None)])[0].token_id)
+        state.observe(out[-1])  # the engine records each kept token
     return out
 
 
@@ -109,6 +110,7 @@ def test_custom_processor_sees_output_ids() -> None:
     banned = registry.create("disallowed_tokens", {"token_ids": [5]})
     sampler = _sampler()
     assert sampler.sample(logits.clone(), [SamplingRow(state, 0, None, banned)])[0].token_id == 6
+    state.observe(6)  # the engine records each kept token
     sampler.sample(logits.clone(), [SamplingRow(state, 1, None, Spy())])
     assert seen == [[6]]
 

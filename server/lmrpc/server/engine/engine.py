@@ -75,6 +75,15 @@ class LiveRequest:
     def request(self) -> EngineRequest:
         return self.seq.request
 
+    @property
+    def lazy_grammar(self) -> bool:
+        """Constrained, greedy, without logprobs or a custom processor: its token is the argmax of the unmasked
+        logits whenever the grammar allows that argmax (masking only removes tokens), so its mask is filled only
+        when the grammar rejects the unmasked choice (most steps need none)."""
+        params = self.request.params
+        return (self.grammar is not None and params.greedy and self.request.logprobs is None
+                and self.processor is None)
+
 
 @dataclass(frozen=True)
 class _Add:
@@ -175,14 +184,14 @@ class Engine:
             return
         self._stamp_scheduled(batch)
         sampling = self._sampling_lives(batch)
-        pending = self.masks.start([live.grammar for live in sampling])
+        pending = self.masks.start([None if live.lazy_grammar else live.grammar for live in sampling])
         try:
             forward = self.executor.forward(batch)
         finally:
             masks = pending.wait()  # [rows, words] or None; waited for even if the forward failed
         self.scheduler.on_computed(batch)
         self._record_prompt_logprobs(forward.prompt_logits)
-        results = self._sample(sampling, forward, masks)
+        results = self._resample_rejected(sampling, forward, self._sample(sampling, forward, masks))
         for live, result in zip(sampling, results, strict=True):
             self._update(live, result)
         self._emit(sampling)
@@ -286,6 +295,27 @@ class Engine:
             results[i] = row
         return results
 
+    def _resample_rejected(self, lives: list[LiveRequest], forward: ForwardOutput,
+                           results: list[SampleResultRow | None]) -> list[SampleResultRow | None]:
+        """Rows sampled without their grammar mask (LiveRequest.lazy_grammar) whose token the grammar rejects:
+        sampled again with the mask, filled now. The same token as with the mask from the start."""
+        rejected: list[int] = []
+        grammars: list[GrammarMatcher] = []
+        for i, (live, result) in enumerate(zip(lives, results, strict=True)):
+            grammar = live.grammar
+            if (result is not None and live.lazy_grammar and grammar is not None
+                    and not grammar.allows(result.token_id)):
+                rejected.append(i)
+                grammars.append(grammar)
+        if not rejected:
+            return results
+        masks = self.masks.fill_now(grammars).to(self.executor.device)  # [rejected, words]
+        rows = [SamplingRow(lives[i].sampling, lives[i].seq.num_output_tokens, masks[j], lives[i].processor)
+                for j, i in enumerate(rejected)]
+        for i, row in zip(rejected, self.sampler.sample(forward.logits[rejected], rows), strict=True):
+            results[i] = row
+        return results
+
     def _update(self, live: LiveRequest, result: SampleResultRow | None) -> None:
         """Append the sampled token, advance grammar and text, and decide whether the sequence ends."""
         if result is None:  # prompt scoring only (max_new_tokens == 0)
@@ -293,6 +323,7 @@ class Engine:
             return
         token = result.token_id
         live.seq.append_token(token)
+        live.sampling.observe(token)
         live.pending_tokens.append(token)
         if result.logprobs is not None:
             live.pending_logprobs.append(self._with_text(live, result.logprobs))

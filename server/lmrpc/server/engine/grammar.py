@@ -59,6 +59,10 @@ class GrammarMatcher:
     def advance(self, token_id: int) -> None:
         self.matcher.consume_token(token_id)
 
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar accepts this token next (its state unchanged)."""
+        return bool(self.matcher.validate_tokens([token_id]) == 1)
+
     @property
     def is_finished(self) -> bool:
         """The grammar is complete (it accepted EOS or cannot be extended)."""
@@ -358,6 +362,13 @@ class MaskFiller:
         masks.fill_(-1)  # here, on the engine thread: the filler's thread runs no torch kernel
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         return PendingMasks(self._pool.submit(self._backend.fill_bitmasks, rows, masks), masks)
+
+    def fill_now(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """Masks [len(matchers), words] filled now, on the calling thread (rows sampled before their mask was
+        known whose token the grammar rejected)."""
+        masks = torch.full((len(matchers), self._words), -1, dtype=torch.int32)
+        self._backend.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], masks)
+        return masks
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

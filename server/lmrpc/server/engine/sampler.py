@@ -81,15 +81,14 @@ class Sampler:
         self.generator.seed()
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResultRow]:
-        """logits [B, vocab] float32, one row per entry of `rows`."""
+        """logits [B, vocab] float32, one row per entry of `rows`. Pure: the caller records a token it keeps with
+        `SamplingState.observe` (a row may be sampled again, e.g. after a grammar rejected its token)."""
         assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
         if logits.shape[1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]  # padded embedding rows are not tokens: never sample them
         inputs = self.build_inputs(rows, logits.shape[1])
         out = sample(logits, inputs)
         token_ids: list[int] = out.token_ids.tolist()
-        for row, token in zip(rows, token_ids, strict=True):
-            row.state.observe(token)
         logprobs = self._logprob_results(rows, token_ids, out)
         return [SampleResultRow(token, lp) for token, lp in zip(token_ids, logprobs, strict=True)]
 
