@@ -1,5 +1,6 @@
 // Python bindings of lmrpc's CPU kernels (pybind11: a call costs well under a microsecond, where a dispatcher op
-// costs several). Tensors are checked here, at the boundary; the kernels take raw pointers.
+// costs several). Tensors are checked here, at the boundary; the kernels take raw pointers. Every kernel call
+// releases the GIL (as torch's ops do): the engine thread runs them while the event loop thread streams outputs.
 #include <torch/extension.h>
 
 #include <optional>
@@ -223,14 +224,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("data"), py::arg("scale"), py::arg("offset"), py::arg("bias"))
       .def("forward", &PackedLinear::forward, py::arg("x"), py::arg("norm_weight") = py::none(),
            py::arg("eps") = 0.0, py::arg("silu") = false, py::arg("residual") = py::none(),
-           py::arg("out") = py::none())
-      .def("rows", &PackedLinear::rows, py::arg("ids"))
+           py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def("rows", &PackedLinear::rows, py::arg("ids"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("n", &PackedLinear::n)
       .def_property_readonly("k", &PackedLinear::k)
       .def_property_readonly("nbytes", &PackedLinear::nbytes);
   m.def("rope_store", &rope_store, py::arg("qkv"), py::arg("heads"), py::arg("positions"), py::arg("cos"),
         py::arg("sin"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("slots"), py::arg("keys"),
-        py::arg("values"), py::arg("q_out"));
+        py::arg("values"), py::arg("q_out"), py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("keys"), py::arg("values"),
-        py::arg("block_table"), py::arg("token_seq"), py::arg("token_ctx"), py::arg("scale"), py::arg("out"));
+        py::arg("block_table"), py::arg("token_seq"), py::arg("token_ctx"), py::arg("scale"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>());
 }
