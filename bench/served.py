@@ -85,7 +85,7 @@ class LevelRun:
     ttft_p90_ms: float  # 90th percentile of the same
     itl_p50_ms: float  # median inter-token gap (a k-token message counts as k gaps of gap/k)
     tokens: int  # generated tokens received, all streams
-    tokens_per_message: float  # tokens / streamed messages carrying tokens (llama.cpp: 1; lmrpc may batch)
+    tokens_per_message: float  # tokens / streamed messages carrying tokens (llama.cpp about 1; lmrpc may batch)
     short_streams: int  # streams that got fewer tokens than asked (0 unless something went wrong)
     rss_mib: float  # the server's VmRSS right after this level
 
@@ -170,7 +170,9 @@ def summarize(streams: int, lmrpc: Sequence[LevelRun], llama: Sequence[LevelRun]
         ttft_p50_ratio=statistics.median(o.ttft_p50_ms / ll.ttft_p50_ms for o, ll in pairs))
 
 
-def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+def prompts(count: int, length: int, seed: str) -> list[list[int]]:
+    """Seeded by a string naming the use and round: every use gets prompts no server has seen (an int seed would not
+    do: random.Random(-n) is random.Random(n)), and a run with the same --seed sends the same ones."""
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
 
@@ -465,7 +467,7 @@ async def agreement(systems: dict[str, System], args: argparse.Namespace, client
                     llama_port: int) -> list[Agreement]:
     text = "The capital of France is"
     checks = [(repr(text) + " (tokenized by lmrpc)", await client.tokenize(text)),
-              (f"{args.prompt_len} random token ids", prompts(1, args.prompt_len, seed=-1)[0])]
+              (f"{args.prompt_len} random token ids", prompts(1, args.prompt_len, seed=f"agree-{args.seed}")[0])]
     found = []
     for label, prompt in checks:
         ours = (await run_streams(systems["lmrpc"], [prompt], AGREE_TOKENS, args.timeout))[0].token_ids
@@ -491,13 +493,13 @@ async def benchmark(args: argparse.Namespace, servers: dict[str, ServerProcess],
         print(f"served: warm-up ({WARMUP_TOKENS} tokens per stream at each level, untimed)", file=sys.stderr)
         for level in args.streams:
             for name in SYSTEMS:
-                await run_streams(systems[name], prompts(level, args.prompt_len, seed=-2 - level), WARMUP_TOKENS,
-                                  args.timeout)
+                batch = prompts(level, args.prompt_len, seed=f"warmup-{level}-{args.seed}")
+                await run_streams(systems[name], batch, WARMUP_TOKENS, args.timeout)
         runs: dict[str, dict[int, list[LevelRun]]] = {name: {s: [] for s in args.streams} for name in SYSTEMS}
         for r in range(args.rounds):
             order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
             for level in args.streams:
-                batch = prompts(level, args.prompt_len, seed=args.seed * 1_000_003 + r * 1000 + level)
+                batch = prompts(level, args.prompt_len, seed=f"round-{r}-{level}-{args.seed}")
                 for name in order:
                     run = await run_level(systems[name], batch, args)
                     runs[name][level].append(run)
@@ -570,6 +572,8 @@ def built_paths() -> tuple[str, str]:
     if out.returncode != 0:
         raise SystemExit(f"served: bench/build_llamacpp.sh failed with status {out.returncode} (its errors above)")
     found = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+    if "LLAMA_SERVER" not in found or "BF16_GGUF" not in found:
+        raise SystemExit(f"served: bench/build_llamacpp.sh printed no LLAMA_SERVER=/BF16_GGUF= lines:\n{out.stdout}")
     return found["LLAMA_SERVER"], found["BF16_GGUF"]
 
 
