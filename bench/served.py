@@ -253,6 +253,16 @@ class ServerProcess:
                 self.proc.wait()
 
 
+@contextlib.contextmanager
+def stopped_on_error(server: ServerProcess) -> Iterator[None]:
+    """Stop a server whose start failed or was interrupted (Ctrl-C included), before it is handed to `running`."""
+    try:
+        yield
+    except BaseException:
+        server.stop()
+        raise
+
+
 def free_port() -> int:
     """A free loopback port for llama-server (lmrpc-server picks its own with --port 0). Another process could take
     it before llama-server binds it: then llama-server fails to start, with its message shown."""
@@ -271,18 +281,18 @@ def start_lmrpc(args: argparse.Namespace, cache_dir: str) -> tuple[ServerProcess
     """Start lmrpc-server with $LMRPC_CACHE=cache_dir; (process, target, seconds from start to SERVING)."""
     env = {**os.environ, "LMRPC_CACHE": cache_dir, "PYTHONUNBUFFERED": "1"}
     server = ServerProcess("lmrpc", lmrpc_argv(args), env, watch="lmrpc-server listening on ")
-    target = "127.0.0.1:" + server.wait_for_line(STARTUP_TIMEOUT).rsplit(":", 1)[1]
-    deadline = server.started + STARTUP_TIMEOUT
-    with Client(target) as client:
-        while True:
-            server.check_alive()
-            with contextlib.suppress(LmrpcError):  # UNAVAILABLE until the port answers
-                if client.health(timeout=1.0) is ServingStatus.SERVING:
-                    return server, target, time.perf_counter() - server.started
-            if time.perf_counter() > deadline:
-                server.stop()
-                raise TimeoutError(f"lmrpc-server not SERVING after {STARTUP_TIMEOUT:g} s")
-            time.sleep(0.05)
+    with stopped_on_error(server):
+        target = "127.0.0.1:" + server.wait_for_line(STARTUP_TIMEOUT).rsplit(":", 1)[1]
+        deadline = server.started + STARTUP_TIMEOUT
+        with Client(target) as client:
+            while True:
+                server.check_alive()
+                with contextlib.suppress(LmrpcError):  # UNAVAILABLE until the port answers
+                    if client.health(timeout=1.0) is ServingStatus.SERVING:
+                        return server, target, time.perf_counter() - server.started
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"lmrpc-server not SERVING after {STARTUP_TIMEOUT:g} s")
+                time.sleep(0.05)
 
 
 def llama_argv(args: argparse.Namespace, port: int) -> list[str]:
@@ -300,22 +310,22 @@ def start_llama(args: argparse.Namespace) -> tuple[ServerProcess, int, float]:
     """Start llama-server; (process, port, seconds from start to GET /health answering 200)."""
     port = free_port()
     server = ServerProcess("llama.cpp", llama_argv(args, port))
-    deadline = server.started + STARTUP_TIMEOUT
-    while True:
-        server.check_alive()
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
-        try:
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return server, port, time.perf_counter() - server.started
-        except OSError:  # refused until it listens; 503 while it loads the model
-            pass
-        finally:
-            conn.close()
-        if time.perf_counter() > deadline:
-            server.stop()
-            raise TimeoutError(f"llama-server not healthy after {STARTUP_TIMEOUT:g} s")
-        time.sleep(0.05)
+    with stopped_on_error(server):
+        deadline = server.started + STARTUP_TIMEOUT
+        while True:
+            server.check_alive()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
+            try:
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return server, port, time.perf_counter() - server.started
+            except OSError:  # refused until it listens; 503 while it loads the model
+                pass
+            finally:
+                conn.close()
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"llama-server not healthy after {STARTUP_TIMEOUT:g} s")
+            time.sleep(0.05)
 
 
 # ---- one stream on each system -----------------------------------------------------------------------------------
@@ -630,6 +640,11 @@ def start_all(args: argparse.Namespace, cache_dir: str,
 
 
 def main() -> None:
+    # SIGTERM (or a SIGINT to a run started in the background, where the shell ignores SIGINT for it) must still
+    # unwind through `running` and the cache cleanup, or the servers would outlive the benchmark.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     args = parse_args(sys.argv[1:])
     if args.llama_server is None:
         args.llama_server, args.gguf = built_paths()
