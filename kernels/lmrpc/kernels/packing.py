@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 TILE = 16  # outputs per tile
+MIN_SCALE = 2.0**-24  # the smallest positive float16: a group of zeros keeps a non-zero scale
 PAIR_TILES = 32  # n is padded to whole tile pairs
 Q4_GROUP = 32
 
@@ -51,8 +52,8 @@ class PackedWeight:
     group: int  # quantized: inputs per scale group; dense: the padded k
     q4_signed: bool  # Q4 codes are offset by 8 (GGUF Q4_0) instead of carrying offsets
     data: torch.Tensor  # packed codes or values (uint8, int8, bfloat16 or float32)
-    scale: torch.Tensor | None  # [n_pad / 32, groups, 2, 16] float32 (quantized), else None
-    offset: torch.Tensor | None  # [n_pad / 32, groups, 2, 16] float32 (Q4 with offsets), else None
+    scale: torch.Tensor | None  # [n_pad / 32, groups, 2, 16] float16 (quantized), else None
+    offset: torch.Tensor | None  # [n_pad / 32, groups, 2, 16] float16 (Q4 with offsets), else None
 
     @property
     def quantized(self) -> bool:
@@ -96,15 +97,15 @@ def _untile(data: torch.Tensor) -> torch.Tensor:
 
 
 def _group_tiles(per_group: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """[n, groups] -> [n_pad / 32, groups, 2, 16] float32."""
-    padded = _pad(per_group.float(), n_pad, per_group.shape[1])
+    """[n, groups] (values representable in float16) -> [n_pad / 32, groups, 2, 16] float16."""
+    padded = _pad(per_group.half(), n_pad, per_group.shape[1])
     return padded.view(n_pad // PAIR_TILES, 2, TILE, -1).permute(0, 3, 1, 2).contiguous()
 
 
 def _per_group(t: torch.Tensor | None, n: int) -> torch.Tensor:
-    """The inverse of _group_tiles, cut to n rows: [n, groups]."""
+    """The inverse of _group_tiles, cut to n rows: [n, groups] float32."""
     assert t is not None
-    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])[:n]
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])[:n].float()
 
 
 def pack_dense(weight: torch.Tensor) -> PackedWeight:
@@ -152,24 +153,29 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
 # ---- our own quantization of dense weights ---------------------------------------------------------------------
 
 
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """Scales as stored (float16), back in float32: codes are computed against the stored value."""
+    return t.clamp(min=MIN_SCALE).half().float()
+
+
 def quantize_int8(weight: torch.Tensor) -> PackedWeight:
     """Symmetric int8 per output channel: scale = max|w| / 127 (one group per row)."""
     w = weight.float()
     k = w.shape[1]
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [n]
+    scale = _half(w.abs().amax(dim=1) / 127.0)  # [n]
     codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     group = _round_up(k, 4)
     return pack_q8(codes, scale[:, None], group)
 
 
 def quantize_int4(weight: torch.Tensor) -> PackedWeight:
-    """Asymmetric int4 in groups of 32 (GGUF Q4_1's scheme, float32 scale and offset): value q * scale + min."""
+    """Asymmetric int4 in groups of 32 (GGUF Q4_1's scheme, float16 scale and offset): value q * scale + min."""
     w = weight.float()
     n, k = w.shape
     k_pad = _round_up(k, Q4_GROUP)
     groups = _pad(w, n, k_pad).view(n, k_pad // Q4_GROUP, Q4_GROUP)
     lo, hi = groups.amin(dim=2), groups.amax(dim=2)  # [n, groups]
-    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    lo, scale = lo.half().float(), _half((hi - lo) / 15.0)
     codes = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
     return pack_q4(codes.view(n, k_pad)[:, :k], scale, lo)
 
@@ -192,7 +198,7 @@ def pack_gguf(ggml_type: int, raw: np.ndarray, n: int, k: int) -> PackedWeight:
     if k % 32:
         raise ValueError("GGUF block formats need k divisible by 32")
     blocks = np.ascontiguousarray(raw).reshape(n, k // 32, GGUF_BLOCK_BYTES[ggml_type])
-    scale = _halves(blocks[..., 0:2])  # [n, groups]
+    scale = _halves(blocks[..., 0:2])  # [n, groups] (float16 values, stored as such)
     if ggml_type == GGUF_Q8_0:
         codes = torch.from_numpy(blocks[..., 2:].view(np.int8).copy()).reshape(n, k)
         return pack_q8(codes, scale, 32)

@@ -29,6 +29,29 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// IEEE half -> float (exact; subnormals and infinities kept).
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // Round to nearest even, as torch's float -> bfloat16 conversion does (NaN kept a quiet NaN).
 inline uint16_t f32_to_bf16(float f) {
   uint32_t bits;
@@ -77,6 +100,11 @@ inline __m512 exp_vec(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// 16 halves (32 bytes) -> 16 floats.
+inline __m512 load_halfx16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // 16 bf16 values (32 bytes) -> 16 floats.

@@ -189,8 +189,8 @@ void expand_q8(const int8_t* src, int64_t vectors, T* dst) {
 
 struct GroupWeights {
   const void* w;        // [kpairs][2][32] values
-  const float* scale;   // [2][16], or null (dense)
-  const float* offset;  // [2][16], or null
+  const uint16_t* scale;   // fp16 [2][16], or null (dense)
+  const uint16_t* offset;  // fp16 [2][16], or null
 };
 
 // Offsets of tile pair p, group g in the packed arrays.
@@ -258,13 +258,13 @@ float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
     case WeightFormat::BF16:
       return bf16_to_f32(static_cast<const uint16_t*>(w.data)[vector * 32 + lane]);
     case WeightFormat::Q8:
-      return static_cast<float>(static_cast<const int8_t*>(w.data)[vector * 32 + lane]) * w.scale[scale];
+      return static_cast<float>(static_cast<const int8_t*>(w.data)[vector * 32 + lane]) * half_to_f32(w.scale[scale]);
     case WeightFormat::Q4: {
       const int64_t jg = j % 16;
       const uint8_t byte = static_cast<const uint8_t*>(w.data)[((pair * groups + g) * 2 + t) * 256 + 32 * (jg / 2) + lane];
       const int q = q4_value(jg % 2 == 0 ? byte & 15 : byte >> 4, w.q4_signed);
-      const float m = w.offset != nullptr ? w.offset[scale] : 0.0f;
-      return std::fma(static_cast<float>(q), w.scale[scale], m);
+      const float m = w.offset != nullptr ? half_to_f32(w.offset[scale]) : 0.0f;
+      return std::fma(static_cast<float>(q), half_to_f32(w.scale[scale]), m);
     }
   }
   return 0.0f;
@@ -291,10 +291,10 @@ inline void fold_group(__m512 (&Y)[R][2 * P], const __m512 (&acc)[R][2 * P], con
     for (int t = 0; t < 2; ++t) {
       const int i = 2 * q + t;
       if constexpr (Q) {
-        const __m512 s = _mm512_loadu_ps(gw[q].scale + 16 * t);
+        const __m512 s = load_halfx16(gw[q].scale + 16 * t);
         for (int r = 0; r < R; ++r) Y[r][i] = _mm512_fmadd_ps(acc[r][i], s, Y[r][i]);
         if (gw[q].offset != nullptr) {
-          const __m512 o = _mm512_loadu_ps(gw[q].offset + 16 * t);
+          const __m512 o = load_halfx16(gw[q].offset + 16 * t);
           for (int r = 0; r < R; ++r) Y[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(rb.sums[r][g]), o, Y[r][i]);
         }
       } else {
@@ -384,8 +384,8 @@ inline void fold_group_scalar(float (&Y)[R][32 * P], const float (&a)[R][32 * P]
       for (int l = 0; l < 32; ++l) {
         float& y = Y[r][32 * q + l];
         if constexpr (Q) {
-          y = std::fma(a[r][32 * q + l], gw[q].scale[l], y);
-          if (gw[q].offset != nullptr) y = std::fma(rb.sums[r][g], gw[q].offset[l], y);
+          y = std::fma(a[r][32 * q + l], half_to_f32(gw[q].scale[l]), y);
+          if (gw[q].offset != nullptr) y = std::fma(rb.sums[r][g], half_to_f32(gw[q].offset[l]), y);
         } else {
           y = a[r][32 * q + l];
         }
@@ -453,9 +453,9 @@ void one_row_quantized_bf16(const Source* src, int64_t groups, int64_t gkp, cons
     for (int q = 0; q < P; ++q)
       for (int t = 0; t < 2; ++t) {
         const int i = 2 * q + t;
-        Y[i] = _mm512_fmadd_ps(acc[i], _mm512_loadu_ps(gw[q].scale + 16 * t), Y[i]);
+        Y[i] = _mm512_fmadd_ps(acc[i], load_halfx16(gw[q].scale + 16 * t), Y[i]);
         if (gw[q].offset != nullptr) {
-          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(rb.sums[0][g]), _mm512_loadu_ps(gw[q].offset + 16 * t), Y[i]);
+          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(rb.sums[0][g]), load_halfx16(gw[q].offset + 16 * t), Y[i]);
         }
       }
   };
@@ -527,9 +527,9 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
       const int64_t at = ((p + q) * groups + g) * 32;
       for (int t = 0; t < 2; ++t) {
         const int i = 2 * q + t;
-        Y[i] = _mm512_fmadd_ps(acc[i], _mm512_loadu_ps(w.scale + at + 16 * t), Y[i]);
+        Y[i] = _mm512_fmadd_ps(acc[i], load_halfx16(w.scale + at + 16 * t), Y[i]);
         if (w.offset != nullptr) {
-          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(sums[g]), _mm512_loadu_ps(w.offset + at + 16 * t), Y[i]);
+          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(sums[g]), load_halfx16(w.offset + at + 16 * t), Y[i]);
         }
       }
     }
@@ -612,11 +612,11 @@ void group_rows_bf16(const GroupWeights (&gw)[P], const uint16_t* const* x, cons
   for (int q = 0; q < P; ++q)
     for (int t = 0; t < 2; ++t) {
       const int i = 2 * q + t;
-      const __m512 sc = _mm512_loadu_ps(gw[q].scale + 16 * t);
+      const __m512 sc = load_halfx16(gw[q].scale + 16 * t);
       for (int r = 0; r < R; ++r) {
         __m512 y = _mm512_fmadd_ps(acc[r][i], sc, _mm512_loadu_ps(Y[r] + 16 * i));
         if (gw[q].offset != nullptr) {
-          y = _mm512_fmadd_ps(_mm512_set1_ps(sums[r][g]), _mm512_loadu_ps(gw[q].offset + 16 * t), y);
+          y = _mm512_fmadd_ps(_mm512_set1_ps(sums[r][g]), load_halfx16(gw[q].offset + 16 * t), y);
         }
         _mm512_storeu_ps(Y[r] + 16 * i, y);
       }
@@ -751,7 +751,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
       return;
     }
     if (w.format == WeightFormat::Q4 && a.m == 1) {
-      float row[32 * kMaxPairs];
+      alignas(64) float row[32 * kMaxPairs];
       one_row_q4_bf16<P>(w, p, table, in.bf16.data(), w.offset != nullptr ? in.sums.data() : nullptr, row);
       epilogue(w, a, 0, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
       return;
@@ -797,14 +797,22 @@ void products(const PackedWeight& w, const Inputs& in, const LinearArgs& a) {
   const int64_t pairs = w.n_pad / 32;
   const Q4Table table(w.q4_signed);
   const int threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), pairs));
+  // Blocks of kMaxPairs pairs handed out a few at a time: a vCPU slowed by its host does less of the work. Which
+  // thread computes a block never changes its bits.
+  const int64_t blocks = (pairs + kMaxPairs - 1) / kMaxPairs;
+  const int64_t grab = std::max<int64_t>(1, blocks / (8 * threads));
 #pragma omp parallel num_threads(threads)
   {
-    int64_t p0, p1;
-    split_range(pairs, omp_get_num_threads(), omp_get_thread_num(), &p0, &p1);
     AlignedBuffer<T> buffer;
-    int64_t p = p0;
-    for (; p + kMaxPairs <= p1; p += kMaxPairs) pair_products<T, kMaxPairs>(w, in, a, p, table, buffer);
-    for (; p < p1; ++p) pair_products<T, 1>(w, in, a, p, table, buffer);
+#pragma omp for schedule(dynamic, grab)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t p = b * kMaxPairs;
+      if (p + kMaxPairs <= pairs) {
+        pair_products<T, kMaxPairs>(w, in, a, p, table, buffer);
+      } else {
+        for (int64_t q = p; q < pairs; ++q) pair_products<T, 1>(w, in, a, q, table, buffer);
+      }
+    }
   }
 }
 

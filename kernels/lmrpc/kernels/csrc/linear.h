@@ -29,8 +29,8 @@ struct PackedWeight {
   int64_t group;         // quantized: inputs per scale group (32 for Q4); dense: k_pad
   bool q4_signed;        // Q4_0 (q - 8) rather than Q4_1 (q with an offset)
   const void* data;      // packed codes or values
-  const float* scale;    // quantized: [n_pad / 16][groups][16]; dense: null
-  const float* offset;   // Q4 with offsets: [n_pad / 16][groups][16]; else null
+  const uint16_t* scale;   // quantized: fp16 [n_pad / 32][groups][2][16]; dense: null
+  const uint16_t* offset;  // Q4 with offsets: fp16, laid out as scale; else null
   const float* bias;     // [n] or null
 };
 

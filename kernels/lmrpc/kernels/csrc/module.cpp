@@ -19,6 +19,10 @@ const T* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
+const uint16_t* half_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? reinterpret_cast<const uint16_t*>(t->data_ptr<at::Half>()) : nullptr;
+}
+
 void check_f32_rows(const at::Tensor& t, int64_t width, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1 && t.size(1) >= width, name,
               ": expected float32 rows [m, >= ", width, "] with unit stride, got ", t.sizes(), " ", t.scalar_type());
@@ -55,15 +59,15 @@ class PackedLinear {
                 bytes);
     for (const auto* t : {&scale_, &offset_}) {
       if (t->has_value()) {
-        TORCH_CHECK((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() && (*t)->numel() == n_pad * groups,
-                    "scales and offsets: float32 [n_pad / 16, groups, 16]");
+        TORCH_CHECK((*t)->scalar_type() == at::kHalf && (*t)->is_contiguous() && (*t)->numel() == n_pad * groups,
+                    "scales and offsets: float16 [n_pad / 32, groups, 2, 16]");
       }
     }
     if (bias_.has_value()) {
       TORCH_CHECK(bias_->scalar_type() == at::kFloat && bias_->is_contiguous() && bias_->numel() == n, "bias: [n]");
     }
     w_ = lmrpc::PackedWeight{fmt, n, k, n_pad, k_pad, quantized ? group : k_pad, q4_signed, data_.data_ptr(),
-                             ptr_or_null<float>(scale_), ptr_or_null<float>(offset_), ptr_or_null<float>(bias_)};
+                             half_or_null(scale_), half_or_null(offset_), ptr_or_null<float>(bias_)};
   }
 
   // y = prologue(x) W^T (+ bias) (+ residual); x [m, k] ([m, 2k] with silu). With `out`, written there.
