@@ -20,6 +20,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from lmrpc.kernels import native
+from lmrpc.kernels.attention import select_backend
 from lmrpc.kernels.paged import AttentionBackend, ChunkSpec
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.engine import AsyncEngine
@@ -208,3 +210,27 @@ def test_smollm2_greedy_tokens_and_logits_equal_transformers(smollm2_gguf: Path)
         assert diff < 1e-3, f"{text!r}: max logit difference {diff}"
 
 
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4")])
+def test_native_stack_gives_the_layer_loops_bits(arch: str, dtype: str, quantization: str, tmp_path: Path,
+                                                 smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+    """Every layer in one native call (the GIL released once) computes exactly what the Python loop over layers
+    computes: a prefill chunk, then decodes."""
+    config = tiny_configs()[arch]
+    path = save_random(config, tmp_path / arch, smollm2_tokenizer)
+    model = load_model(ModelConfig(path=str(path), dtype=dtype, device="cpu", quantization=quantization)).model
+    assert isinstance(model, LlamaForCausalLM)
+    tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    stacked = PagedRun.create(model, len(tokens))  # make_attention binds the native stack to this cache
+    if not native.available():
+        pytest.skip("the native kernels do not build here")
+    assert model._stack is not None and model._stack.backend is stacked.attention
+    steps = [(33, 0)] + [(i + 1, i) for i in range(33, 40)]
+    with_stack = [stacked.logits(tokens[:end], start) for end, start in steps]
+    model._stack = None  # the Python loop over layers, on a cache of its own
+    looped = PagedRun(model, stacked.pages, select_backend(model.attention_shape, model.rope, model.dtype,
+                                                           torch.device("cpu"), stacked.attention.num_pages, PAGE))
+    for (end, start), expected in zip(steps, with_stack, strict=True):
+        assert torch.equal(looped.logits(tokens[:end], start), expected), (end, start)

@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = ("module.cpp", "linear.cpp", "attention.cpp")
-HEADERS = ("common.h", "linear.h", "attention.h")
+HEADERS = ("common.h", "linear.h", "attention.h", "py_linear.h", "py_attention.h", "py_stack.h")
 CSRC = Path(__file__).parent / "csrc"
 
 

@@ -10,12 +10,15 @@ added). Every product goes through `LinearLayer`, in whatever format `LinearBuil
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from lmrpc.kernels import native
 from lmrpc.kernels.attention import select_backend
+from lmrpc.kernels.native_attention import NativeAttention
 from lmrpc.kernels.paged import AttentionBackend, AttentionShape, QKNorm, Rope
 from lmrpc.server.models import ForwardContext, register
 from lmrpc.server.models.linear import LinearLayer
@@ -73,6 +76,14 @@ def rope_tables(config: PretrainedConfig, max_positions: int) -> Rope:
 
 
 @dataclass(frozen=True)
+class _NativeStack:
+    """The native decoder stack and the attention backend whose caches it was built over."""
+
+    backend: NativeAttention  # forwards with this backend's plan may use the stack
+    stack: Any  # native DecoderStack: forward(x, positions, slots, block_table, token_seq, token_ctx)
+
+
+@dataclass(frozen=True)
 class DecoderLayer:
     """One layer's weights. Norm weights are float32 vectors fused into the products that read them."""
 
@@ -117,6 +128,7 @@ class LlamaForCausalLM:
         if self._embed_rows is None:
             self.embed = weights.tensor("model.embed_tokens.weight").to(device=self.device, dtype=self.dtype)
         self.layers = [self._layer(weights, builder, i) for i in range(shape.layers)]
+        self._stack: _NativeStack | None = None  # every layer in one native call, once a native cache exists
 
     def _vector(self, weights: WeightSource, name: str) -> torch.Tensor:
         return weights.tensor(name).to(device=self.device, dtype=torch.float32).contiguous()
@@ -155,8 +167,27 @@ class LlamaForCausalLM:
         return s.layers * 2 * s.kv_heads * s.head_dim * self.dtype.itemsize
 
     def make_attention(self, num_pages: int, page_size: int) -> AttentionBackend:
-        """The KV cache in the model dtype, with the backend this device and build allow (attention.select_backend)."""
-        return select_backend(self.attention_shape, self.rope, self.dtype, self.device, num_pages, page_size)
+        """The KV cache in the model dtype, with the backend this device and build allow (attention.select_backend).
+        With the native backend and native products, every layer then runs in one native call (`_stack`)."""
+        backend = select_backend(self.attention_shape, self.rope, self.dtype, self.device, num_pages, page_size)
+        self._stack = self._native_stack(backend)
+        return backend
+
+    def _native_stack(self, backend: AttentionBackend) -> _NativeStack | None:
+        if not isinstance(backend, NativeAttention):
+            return None
+        ops = []
+        for layer in self.layers:
+            linears = [lin for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) if isinstance(lin, NativeLinear)]
+            if len(linears) != 4:
+                return None
+            q_norm, k_norm = (layer.qk_norm.q, layer.qk_norm.k) if layer.qk_norm is not None else (None, None)
+            ops.append(native.load().StackLayer(*(lin.op for lin in linears), layer.input_norm,
+                                                layer.post_attention_norm, q_norm, k_norm))
+        s = self.attention_shape
+        stack = native.load().DecoderStack(ops, backend.keys, backend.values, backend.rope.cos, backend.rope.sin,
+                                           s.heads, self.shape.eps, s.qk_norm_eps, s.scale)
+        return _NativeStack(backend, stack)
 
     @property
     def attention_shape(self) -> AttentionShape:
@@ -166,6 +197,10 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> hidden [T, hidden] float32 (before the final norm, which compute_logits applies)."""
         x = self._embed_rows.rows(input_ids) if self._embed_rows is not None else self.embed_rows(input_ids)
+        if self._stack is not None and ctx.attention is self._stack.backend:
+            plan = ctx.plan
+            return self._stack.stack.forward(x, plan.positions, plan.slots, plan.block_table, plan.token_seq,
+                                             plan.token_ctx)
         for layer in self.layers:
             x = layer(x, ctx, self.shape.eps)
         return x

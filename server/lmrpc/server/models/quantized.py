@@ -58,6 +58,11 @@ class NativeLinear:
     def nbytes(self) -> int:
         return int(self._op.nbytes)
 
+    @property
+    def op(self) -> object:
+        """The kernel object (the native decoder stack holds it too)."""
+        return self._op
+
 
 @dataclass(frozen=True)
 class LinearBuilder:

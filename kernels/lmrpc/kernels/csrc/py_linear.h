@@ -1,0 +1,134 @@
+// Bindings' side of the products: tensor checks and PackedLinear, a packed weight with the tensors that hold it.
+// Included by module.cpp only (one translation unit: torch's headers are compiled once).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "linear.h"
+
+namespace lmrpc_py {
+
+template <typename T>
+inline const T* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+inline const uint16_t* half_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? reinterpret_cast<const uint16_t*>(t->data_ptr<at::Half>()) : nullptr;
+}
+
+inline void check_f32_rows(const at::Tensor& t, int64_t width, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1 && t.size(1) >= width, name,
+              ": expected float32 rows [m, >= ", width, "] with unit stride, got ", t.sizes(), " ", t.scalar_type());
+}
+
+// A packed weight and the tensors that hold it (kept alive with it).
+class PackedLinear {
+ public:
+  PackedLinear(int64_t format, int64_t compute, int64_t n, int64_t k, int64_t group, bool q4_signed, at::Tensor data,
+               std::optional<at::Tensor> scale, std::optional<at::Tensor> offset, std::optional<at::Tensor> bias)
+      : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias),
+        compute_(static_cast<lmrpc::Compute>(compute)) {
+    const auto fmt = static_cast<lmrpc::WeightFormat>(format);
+    const bool quantized = fmt == lmrpc::WeightFormat::Q4 || fmt == lmrpc::WeightFormat::Q8;
+    const int64_t n_pad = (n + 31) / 32 * 32;
+    const int64_t k_pad = quantized ? (k + group - 1) / group * group : (k + 3) / 4 * 4;
+    TORCH_CHECK(k_pad % 4 == 0 && (!quantized || group % 4 == 0), "group and padded k must be multiples of 4");
+    TORCH_CHECK(fmt != lmrpc::WeightFormat::Q4 || group == 32, "Q4 weights come in groups of 32");
+    TORCH_CHECK(quantized == scale.has_value(), "quantized weights need scales, dense weights none");
+    TORCH_CHECK(!offset.has_value() || fmt == lmrpc::WeightFormat::Q4, "offsets exist only for Q4");
+    TORCH_CHECK(fmt != lmrpc::WeightFormat::BF16 || compute_ == lmrpc::Compute::BF16,
+                "bfloat16 weights take bfloat16 products");
+    TORCH_CHECK(fmt != lmrpc::WeightFormat::F32 || compute_ == lmrpc::Compute::F32,
+                "float32 weights take float32 products");
+    const int64_t groups = quantized ? k_pad / group : 1;
+    int64_t bytes = 0;
+    switch (fmt) {
+      case lmrpc::WeightFormat::F32: bytes = n_pad * k_pad * 4; break;
+      case lmrpc::WeightFormat::BF16: bytes = n_pad * k_pad * 2; break;
+      case lmrpc::WeightFormat::Q8: bytes = n_pad * k_pad; break;
+      case lmrpc::WeightFormat::Q4: bytes = n_pad * k_pad / 2; break;
+    }
+    TORCH_CHECK(data_.nbytes() == static_cast<size_t>(bytes), "packed data holds ", data_.nbytes(), " bytes, expected ",
+                bytes);
+    for (const auto* t : {&scale_, &offset_}) {
+      if (t->has_value()) {
+        TORCH_CHECK((*t)->scalar_type() == at::kHalf && (*t)->is_contiguous() && (*t)->numel() == n_pad * groups,
+                    "scales and offsets: float16 [n_pad / 32, groups, 2, 16]");
+      }
+    }
+    if (bias_.has_value()) {
+      TORCH_CHECK(bias_->scalar_type() == at::kFloat && bias_->is_contiguous() && bias_->numel() == n, "bias: [n]");
+    }
+    w_ = lmrpc::PackedWeight{fmt, n, k, n_pad, k_pad, quantized ? group : k_pad, q4_signed, data_.data_ptr(),
+                             half_or_null(scale_), half_or_null(offset_), ptr_or_null<float>(bias_)};
+  }
+
+  // y = prologue(x) W^T (+ bias) (+ residual); x [m, k] ([m, 2k] with silu). With `out`, written there.
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& norm_weight, double eps, bool silu,
+                     const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& out) const {
+    at::Tensor y = out.has_value() ? *out : at::empty({x.size(0), w_.n}, x.options());
+    run(x, norm_weight.has_value() ? &*norm_weight : nullptr, eps, silu,
+        residual.has_value() ? &*residual : nullptr, y);
+    return y;
+  }
+
+  // forward into y [m, n] (which may be the residual itself: each element is read before it is written).
+  void run(const at::Tensor& x, const at::Tensor* norm_weight, double eps, bool silu, const at::Tensor* residual,
+           const at::Tensor& y) const {
+    check_f32_rows(x, silu ? 2 * w_.k : w_.k, "x");
+    TORCH_CHECK(!(silu && norm_weight != nullptr), "one prologue at a time");
+    const int64_t m = x.size(0);
+    check_f32_rows(y, w_.n, "out");
+    TORCH_CHECK(y.size(0) == m, "out rows");
+    lmrpc::LinearArgs a{};
+    a.x = x.data_ptr<float>();
+    a.m = m;
+    a.x_stride = x.stride(0);
+    a.prologue = silu ? lmrpc::Prologue::SILU_MUL
+                      : (norm_weight != nullptr ? lmrpc::Prologue::RMS_NORM : lmrpc::Prologue::NONE);
+    if (norm_weight != nullptr) {
+      TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() &&
+                      norm_weight->numel() == w_.k, "norm_weight: float32 [k]");
+      a.norm_weight = norm_weight->data_ptr<float>();
+    }
+    a.eps = static_cast<float>(eps);
+    if (residual != nullptr) {
+      check_f32_rows(*residual, w_.n, "residual");
+      TORCH_CHECK(residual->size(0) == m, "residual rows");
+      a.residual = residual->data_ptr<float>();
+      a.residual_stride = residual->stride(0);
+    }
+    a.y = y.data_ptr<float>();
+    a.y_stride = y.stride(0);
+    lmrpc::linear(w_, compute_, a);
+  }
+
+  // Rows of the dequantized weight (embedding lookups of a tied weight): ids [t] -> [t, k] float32.
+  at::Tensor rows(const at::Tensor& ids) const {
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: int64 [t]");
+    const int64_t* p = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(p[i] >= 0 && p[i] < w_.n, "row id out of range");
+    at::Tensor out = at::empty({ids.numel(), w_.k}, ids.options().dtype(at::kFloat));
+    lmrpc::weight_rows(w_, p, ids.numel(), out.data_ptr<float>(), w_.k);
+    return out;
+  }
+
+  int64_t n() const { return w_.n; }
+  int64_t k() const { return w_.k; }
+  int64_t nbytes() const {
+    int64_t total = data_.nbytes();
+    for (const auto* t : {&scale_, &offset_, &bias_}) total += t->has_value() ? (*t)->nbytes() : 0;
+    return total;
+  }
+
+ private:
+  at::Tensor data_;
+  std::optional<at::Tensor> scale_, offset_, bias_;
+  lmrpc::Compute compute_;
+  lmrpc::PackedWeight w_{};
+};
+
+}  // namespace lmrpc_py
