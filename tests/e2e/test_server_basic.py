@@ -52,6 +52,8 @@ def test_tokenize_detokenize_round_trip(client: Client) -> None:
 
 def test_model_info(client: Client) -> None:
     info = client.model_info()
+    # the bundled GGUF served as it is: Q4_1 layers, the Q8_0 tied embedding/output projection
+    assert info.quantization == "int4" and info.weight_formats == ["q4_1", "q8_0"] and info.dtype == "bfloat16"
     assert info.vocab_size == 49152
     assert info.max_context_length == 8192
     assert list(info.eos_token_ids) == [2]

@@ -9,8 +9,9 @@ alone on its own fresh engine:
 - as each sample of n = 3 sharing one prefill;
 - and the greedy token is the top-1 logprob at every position; a seeded sampled request is the same alone and busy.
 
-Matrix: float32 and bfloat16, dense and int4, on a tiny random Llama with SmolLM2's attention geometry (heads of 64,
-3 query heads per kv head), and on the real SmolLM2 as it is served by default (bfloat16, its own int4 blocks).
+Matrix: float32 and bfloat16, dense and int4 (and int8 in bfloat16), on a tiny random Llama with SmolLM2's attention
+geometry (heads of 64, 3 query heads per kv head), and on the real SmolLM2 as it is served by default (bfloat16, its
+own int4 blocks).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def check_routes(model: Path, dtype: str, quantization: str) -> None:
         engine.shutdown()
 
 
-COMBOS = [("float32", "none"), ("bfloat16", "none"), ("float32", "int4"), ("bfloat16", "int4")]
+COMBOS = [("float32", "none"), ("bfloat16", "none"), ("float32", "int4"), ("bfloat16", "int4"), ("bfloat16", "int8")]
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), COMBOS, ids=["-".join(c) for c in COMBOS])

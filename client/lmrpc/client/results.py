@@ -189,6 +189,8 @@ class ModelInfo:
     architecture: str  # e.g. "LlamaForCausalLM"
     dtype: str  # e.g. "bfloat16"
     device: str  # e.g. "cpu"
+    quantization: str = "none"  # how the linear weights are stored: "none", "int8" or "int4"
+    weight_formats: list[str] = field(default_factory=list)  # e.g. ["q4_1", "q8_0"]
 
     @classmethod
     def from_pb(cls, pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
@@ -203,4 +205,6 @@ class ModelInfo:
             architecture=pb.architecture,
             dtype=pb.dtype,
             device=pb.device,
+            quantization=pb.quantization or "none",
+            weight_formats=list(pb.weight_formats),
         )
