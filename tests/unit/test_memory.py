@@ -157,7 +157,7 @@ def test_too_small_a_limit_is_a_clear_error() -> None:
 
 def test_an_explicit_pool_over_the_limit_is_refused_under_it_kept() -> None:
     budget = _budget(64 * GIB, 2 * GIB, used=GIB)
-    with pytest.raises(InsufficientMemoryError, match="--kv-cache-tokens 65536 needs 1.41 GiB"):
+    with pytest.raises(InsufficientMemoryError, match=r"--kv-cache-tokens 65536 needs 1\.41 GiB"):
         memory.kv_pool_tokens(65536, 0.25, 23040, budget)
     assert memory.kv_pool_tokens(8192, 0.25, 23040, budget).tokens == 8192
     # The host's MemAvailable is no hard limit (other processes' caches, swap): an explicit pool over it is kept.

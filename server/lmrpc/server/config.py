@@ -75,10 +75,15 @@ class EngineConfig:
     # CUDA: decode steps of up to this many sequences replay CUDA graphs captured at warm-up; None: up to
     # scheduler.max_running_requests; 0: no graphs. Ignored on CPU.
     cuda_graph_max_batch: int | None = None
+    # Backpressure: deltas of one output its client has not read before the output stops being scheduled (it
+    # resumes when the client has read half of them).
+    max_buffered_outputs: int = 64
 
     def __post_init__(self) -> None:
         if self.sampling_defaults not in ("model", "openai"):
             raise ValueError("sampling_defaults must be 'model' or 'openai'")
+        if not 2 <= self.max_buffered_outputs <= 1_000_000:
+            raise ValueError(f"max_buffered_outputs must be in [2, 1000000], got {self.max_buffered_outputs}")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch must be >= 0")
 

@@ -17,19 +17,22 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmrpc.server import memory
 from lmrpc.server.config import EngineConfig
 from lmrpc.server.engine.detokenizer import OutputProcessor, decode_token
 from lmrpc.server.engine.executor import ForwardOutput, ModelExecutor, PromptLogits
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
 from lmrpc.server.engine.kv_cache import KVCacheManager
+from lmrpc.server.engine.live import Command, LiveRequest, OutputFlow, Sink, _Abort, _Add, _Stop, _Wake
 from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
-from lmrpc.server.logit_processors import LogitProcessor, ProcessorRegistry
-from lmrpc.server.models.loader import LoadedModel, load_model
+from lmrpc.server.load import LoadTracker
+from lmrpc.server.logit_processors import ProcessorRegistry
+from lmrpc.server.models.loader import LoadedModel, default_gguf, load_model
 from lmrpc.server.protocol import (
     Constraint,
     EngineOutput,
@@ -49,51 +52,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Sink = Callable[[EngineOutput], None]  # thread-safe: delivers one output to the request's consumer
+# The loop wakes this often when idle, so its heartbeat stays fresh: a stale heartbeat means a step that has not
+# returned (the watchdog's signal), never an idle engine.
+IDLE_TICK = 0.25
 
 
-@dataclass(eq=False)
-class LiveRequest:
-    """Everything the loop keeps for one sequence besides the scheduler's bookkeeping."""
-
-    seq: Sequence  # scheduler-visible state (tokens, pages)
-    sink: Sink  # where this request's outputs go
-    sampling: SamplingState  # penalties' counts, seed
-    output: OutputProcessor  # incremental text + stop rules
-    grammar: GrammarMatcher | None  # structured-output state, if constrained
-    processor: LogitProcessor | None  # custom logit processor bound to its params, if any
-    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # gathered across prefill chunks
-    prompt_logprobs_sent: bool = False  # sent with the first output (never again, e.g. after preemption)
-    pending_tokens: list[int] = field(default_factory=list)  # sampled since the last emit
-    pending_logprobs: list[PositionLogprobs] = field(default_factory=list)  # their logprobs
-    pending_text: list[str] = field(default_factory=list)  # their text pieces
-    # time.monotonic() when a step first computed this sequence (its admission; kept across preemption): the end
-    # of its queue time, which the service can't see from outside the engine thread
-    scheduled_at: float | None = None
-
-    @property
-    def request(self) -> EngineRequest:
-        return self.seq.request
-
-
-@dataclass(frozen=True)
-class _Add:
-    request: EngineRequest  # what to run
-    sink: Sink  # where its outputs go
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str  # whose request
-    reason: str  # message carried by the ABORT finish
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Stop
+class EngineUnavailable(Exception):
+    """The engine cannot serve (its thread died or is stuck): calls end UNAVAILABLE with this message."""
 
 
 class Engine:
@@ -116,8 +81,21 @@ class Engine:
         self.grammar = grammar
         self._eos = frozenset(self.info.eos_token_ids)
         self._live: dict[str, LiveRequest] = {}
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.masks = MaskFiller(grammar)  # grammar bitmasks, filled while the model runs
+        self.max_buffered_outputs = config.max_buffered_outputs  # backpressure bound per output
+        self.load = LoadTracker()  # tokens/s and queue times for GetLoad and ORCA reports
+        # Read by the watchdog from the event loop: when the loop last came round (time.monotonic()), and what killed
+        # the thread, if something did.
+        self.heartbeat = time.monotonic()
+        self.died: BaseException | None = None
+        # Live outputs per client among the running ones (admission's per-client cap reads it); replaced, never
+        # mutated, so another thread reads a consistent dict.
+        self.running_by_client: dict[str, int] = {}
+        # Test hook (no flag sets it): called with each step's batch before the forward, so a test can make a step
+        # fail or hang.
+        self.step_hook: Callable[[ScheduledBatch], None] | None = None
+        self._step_lives: list[LiveRequest] | None = None  # the requests of the step being run
 
     @property
     def kv(self) -> KVCacheManager:
@@ -125,7 +103,7 @@ class Engine:
 
     # ---- commands (any thread) -------------------------------------------------------------------------------
 
-    def submit(self, command: _Command) -> None:
+    def submit(self, command: Command) -> None:
         self._inbox.put(command)
 
     # ---- the loop (engine thread) ----------------------------------------------------------------------------
@@ -133,16 +111,29 @@ class Engine:
     def run_forever(self) -> None:
         try:
             while True:
-                if not self._drain_inbox(block=not self.scheduler.has_work):
+                self.heartbeat = time.monotonic()
+                self.running_by_client = _count_clients(self.scheduler.running)
+                self._apply_backpressure()
+                if not self._drain_inbox(block=not self.scheduler.has_runnable_work):
                     return
-                if self.scheduler.has_work:
+                if self.scheduler.has_runnable_work:
                     self._guarded_step()
+        except BaseException as exc:
+            # Not swallowed: the thread ends. The watchdog sees it and fails the calls in flight.
+            self.died = exc
+            logger.critical("the engine thread died: %r", exc, exc_info=exc)
+            raise
         finally:
             self.masks.shutdown()
 
     def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued commands; block for the first one when idle. False once told to stop."""
-        command: _Command | None = self._inbox.get() if block else None
+        """Apply queued commands; when idle, wait a tick for the first one. False once told to stop."""
+        command: Command | None = None
+        if block:
+            try:
+                command = self._inbox.get(timeout=IDLE_TICK)
+            except queue.Empty:
+                return True
         while True:
             if command is None:
                 try:
@@ -153,26 +144,52 @@ class Engine:
                 self._abort_all("server shutting down")
                 return False
             if isinstance(command, _Add):
-                self.add(command.request, command.sink)
-            else:
+                self.add(command.request, command.sink, command.flow, command.submitted_at)
+            elif isinstance(command, _Abort):
                 self.abort(command.request_id, command.reason)
-            command = None
+            command = None  # a _Wake only ends the wait
+
+    def _apply_backpressure(self) -> None:
+        """Pause outputs whose consumer holds `max_buffered_outputs` deltas it has not taken; resume them at half."""
+        bound = self.max_buffered_outputs
+        for live in self._live.values():
+            flow = live.flow
+            if flow is None:
+                continue
+            seq = live.seq
+            if not seq.paused and flow.backlog >= bound:
+                seq.paused = flow.paused = True
+                # The consumer may have caught up between the read above and `paused` turning true, and then seen
+                # no reason to wake us: read again now that it will.
+                if flow.backlog <= bound // 2:
+                    seq.paused = flow.paused = False
+            elif seq.paused and flow.backlog <= bound // 2:
+                seq.paused = flow.paused = False
 
     def _guarded_step(self) -> None:
-        # An unexpected failure inside a step must not kill the thread that serves every request: fail the
-        # requests in flight (they see ERROR with the message), log it with the stack, and keep serving.
+        # An unexpected failure inside a step must not kill the thread that serves every request: fail the requests
+        # of that step (they see ERROR with the message; their state is half-updated), log it with the stack, and
+        # keep serving the others. A failure before the step had a batch leaves the scheduler suspect: fail all.
+        self._step_lives = None
         try:
             self.step()
         except Exception as exc:  # logged with its stack and reported to every affected request
-            logger.exception("engine step failed; failing %d live requests", len(self._live))
-            for live in list(self._live.values()):
-                self._finish(live, Finish(FinishReason.ERROR, message=f"engine step failed: {exc!r}"))
+            lives = self._step_lives if self._step_lives is not None else list(self._live.values())
+            logger.exception("engine step failed; failing the %d requests of that step", len(lives))
+            for live in lives:
+                if self._live.get(live.request.request_id) is live:
+                    self._finish(live, Finish(FinishReason.ERROR, message=f"engine step failed: {exc!r}"))
+        finally:
+            self._step_lives = None
 
     def step(self) -> None:
         """One iteration: schedule, forward (grammar masks fill meanwhile), sample, update, emit."""
         batch = self.scheduler.schedule()
         if batch.empty:
             return
+        self._step_lives = [self._live[c.seq.request_id] for c in batch.chunks]
+        if self.step_hook is not None:
+            self.step_hook(batch)
         self._stamp_scheduled(batch)
         sampling = self._sampling_lives(batch)
         pending = self.masks.start([live.grammar for live in sampling])
@@ -186,6 +203,9 @@ class Engine:
         for live, result in zip(sampling, results, strict=True):
             self._update(live, result)
         self._emit(sampling)
+        # Everything but decodes (one token past the prompt) is prompt work: prefill chunks, recomputes.
+        prompt_tokens = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1 or c.start < c.seq.num_prompt_tokens)
+        self.load.add_tokens(sum(1 for r in results if r is not None), prompt_tokens)
 
     def _stamp_scheduled(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
@@ -193,10 +213,13 @@ class Engine:
             live = self._live[chunk.seq.request_id]
             if live.scheduled_at is None:
                 live.scheduled_at = now
+                if live.submitted_at is not None:
+                    self.load.add_queue_time(now - live.submitted_at, now)
 
     # ---- admission and abort ---------------------------------------------------------------------------------
 
-    def add(self, request: EngineRequest, sink: Sink) -> None:
+    def add(self, request: EngineRequest, sink: Sink, flow: OutputFlow | None = None,
+            submitted_at: float | None = None) -> None:
         assert request.request_id not in self._live, f"duplicate request id {request.request_id}"
         params = request.params
         seq = Sequence(request)
@@ -216,6 +239,8 @@ class Engine:
                 self.processors.create(params.logit_processor, dict(params.processor_params))
                 if params.logit_processor else None
             ),
+            flow=flow,
+            submitted_at=submitted_at,
         )
         wants_prompt_logprobs = request.logprobs is not None and request.logprobs.start_len >= 0
         if params.max_new_tokens == 0 and not wants_prompt_logprobs:
@@ -367,7 +392,16 @@ class Engine:
             num_free_pages=kv.num_free_pages,
             num_used_pages=kv.num_used_pages,
             num_cached_pages=kv.num_cached_pages,
+            num_paused=self.scheduler.num_paused,
         )
+
+
+def _count_clients(running: Iterable[Sequence]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for seq in running:
+        client = seq.request.client
+        counts[client] = counts.get(client, 0) + 1
+    return counts
 
 
 def _usage(seq: Sequence) -> Usage:
@@ -390,6 +424,8 @@ class AsyncEngine:
         self.grammar = engine.grammar
         self._ids_by_rid: dict[str, set[str]] = {}  # event-loop side: live request ids per user rid
         self._serial = itertools.count()
+        self._calls: set[asyncio.Queue[EngineOutput | EngineUnavailable]] = set()  # output queues of calls in flight
+        self.failure: str | None = None  # why the engine cannot serve now (set by the watchdog); None: it can
 
     @classmethod
     def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -405,6 +441,11 @@ class AsyncEngine:
 
         def main() -> None:
             try:
+                # A model whose weights alone exceed the container's memory limit would be OOM-killed while loading,
+                # with nothing said: refuse it first (memory.py).
+                path = Path(config.model.path) if config.model.path else default_gguf()
+                if path.exists():
+                    memory.check_model_fits(memory.model_files_bytes(path), memory.memory_budget())
                 loaded = load_model(config.model)
                 engine = Engine(loaded, config, ProcessorRegistry.load(),
                                 GrammarBackend(loaded.tokenizer, loaded.info.vocab_size))
@@ -454,24 +495,38 @@ class AsyncEngine:
             raise TimeoutError("engine warm-up did not finish in 300 s")
 
     async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[EngineOutput]:
+        """Outputs of `requests` as they come. Raises EngineUnavailable when the engine cannot serve (now, or later:
+        the watchdog fails calls in flight)."""
+        if self.failure is not None:
+            raise EngineUnavailable(self.failure)
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        outputs: asyncio.Queue[EngineOutput | EngineUnavailable] = asyncio.Queue()
+        flows = {r.request_id: OutputFlow() for r in requests}
 
         def sink(output: EngineOutput) -> None:  # engine thread
+            if output.finish is None:
+                flows[output.request_id].emitted += 1
             loop.call_soon_threadsafe(outputs.put_nowait, output)
 
         remaining = {r.request_id for r in requests}
         for r in requests:
             self._ids_by_rid.setdefault(r.rid, set()).add(r.request_id)
+        self._calls.add(outputs)
         try:
+            now = time.monotonic()
             for r in requests:
-                self._engine.submit(_Add(r, sink))
+                self._engine.submit(_Add(r, sink, flows[r.request_id], now))
             while remaining:
                 output = await outputs.get()
+                if isinstance(output, EngineUnavailable):
+                    raise output
                 if output.finish is not None:
                     remaining.discard(output.request_id)
+                else:
+                    self._took(flows[output.request_id])
                 yield output
         finally:
+            self._calls.discard(outputs)
             # Closed early (cancelled call, passed deadline, client gone): free the rest at once.
             for request_id in remaining:
                 self._engine.submit(_Abort(request_id, "cancelled"))
@@ -481,6 +536,46 @@ class AsyncEngine:
                     ids.discard(r.request_id)
                     if not ids:
                         del self._ids_by_rid[r.rid]
+
+    def _took(self, flow: OutputFlow) -> None:
+        """The consumer took one delta: a paused output whose backlog fell to half resumes (wake the loop for it)."""
+        flow.taken += 1
+        if flow.paused and flow.backlog == self._engine.max_buffered_outputs // 2:
+            self._engine.submit(_Wake())
+
+    # ---- supervision (the watchdog, on the event loop) ---------------------------------------------------------
+
+    @property
+    def heartbeat(self) -> float:
+        """time.monotonic() when the engine loop last came round."""
+        return self._engine.heartbeat
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def died(self) -> BaseException | None:
+        """What ended the engine thread, if something did."""
+        return self._engine.died
+
+    @property
+    def has_work(self) -> bool:
+        """Calls are waiting on the engine."""
+        return bool(self._calls)
+
+    def fail_calls(self, reason: str) -> int:
+        """The engine cannot serve: end every call in flight (EngineUnavailable) and refuse new ones until
+        `recovered`. Returns how many calls were failed. Their engine requests are aborted as the calls close, so a
+        stuck engine that comes back frees their pages."""
+        self.failure = reason
+        calls = list(self._calls)
+        for outputs in calls:
+            outputs.put_nowait(EngineUnavailable(reason))
+        return len(calls)
+
+    def recovered(self) -> None:
+        self.failure = None
 
     def abort(self, rids: list[str] | None) -> list[str]:
         targets = list(self._ids_by_rid) if rids is None else [rid for rid in rids if rid in self._ids_by_rid]
