@@ -20,6 +20,7 @@ import grpc
 from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
+from lmrpc.server.load import LoadTracker
 from lmrpc.server.metrics import Metrics
 from lmrpc.server.protocol import (
     EngineOutput,
@@ -50,6 +51,15 @@ class FakeEngine:
     model_info: ModelInfo = INFO
     live: dict[str, EngineRequest] = field(default_factory=dict)  # request_id -> request, while generating
     on_generate: list[Callable[[], None]] = field(default_factory=list)  # run inside each generate (span probes)
+    failure: str | None = None  # AsyncEngine.failure: set, calls are refused UNAVAILABLE
+    load_tracker: LoadTracker = field(default_factory=LoadTracker)  # what GetLoad and ORCA reports read
+
+    @property
+    def running_by_client(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.live.values():
+            counts[r.client] = counts.get(r.client, 0) + 1
+        return counts
 
     async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[EngineOutput]:
         for probe in self.on_generate:

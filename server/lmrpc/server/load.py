@@ -7,16 +7,22 @@ first scheduled) and read from the event loop; it keeps one minute of history.
 grpcio (checked on 1.85) has the C-core filter that writes ORCA reports, but no Python API to feed it (C++'s
 `CallMetricRecorder`/`ServerMetricRecorder` have no Python counterpart), so the report is serialized here and set as
 the trailing metadata the filter would have written; a client's weighted_round_robin policy reads it the same way.
+The message is built from its published field numbers in a descriptor pool of our own: the PyPI package carrying
+the xds protos (xds-protos) also ships copies of the google.rpc and opentelemetry protos that overwrite the ones
+the server uses.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from google.protobuf.message import Message
 
 from lmrpc.server.protocol import EngineStats
 
@@ -104,17 +110,44 @@ def read_load(stats: EngineStats, tracker: LoadTracker, resident: int, memory_li
     )
 
 
+# xds.data.orca.v3.OrcaLoadReport's fields that are reported (number, name, kind): "map" is map<string, double>.
+_ORCA_FIELDS = ((2, "mem_utilization", "double"), (5, "utilization", "map"), (8, "named_metrics", "map"),
+                (9, "application_utilization", "double"))
+
+
+@functools.cache
+def _orca_class() -> type[Message]:
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    d = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="lmrpc/orca_load_report.proto", package="xds.data.orca.v3",
+                                              syntax="proto3")
+    report = file.message_type.add(name="OrcaLoadReport")
+    for number, name, kind in _ORCA_FIELDS:
+        if kind == "double":
+            report.field.add(name=name, number=number, type=d.TYPE_DOUBLE, label=d.LABEL_OPTIONAL)
+            continue
+        entry = "".join(part.capitalize() for part in name.split("_")) + "Entry"
+        nested = report.nested_type.add(name=entry)
+        nested.options.map_entry = True
+        nested.field.add(name="key", number=1, type=d.TYPE_STRING, label=d.LABEL_OPTIONAL)
+        nested.field.add(name="value", number=2, type=d.TYPE_DOUBLE, label=d.LABEL_OPTIONAL)
+        report.field.add(name=name, number=number, type=d.TYPE_MESSAGE, label=d.LABEL_REPEATED,
+                         type_name=f".xds.data.orca.v3.OrcaLoadReport.{entry}")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("xds.data.orca.v3.OrcaLoadReport"))
+
+
 def orca_report(load: Load) -> bytes:
     """The load as a serialized `xds.data.orca.v3.OrcaLoadReport`.
 
     application_utilization (what weighted_round_robin prefers over CPU) is the larger of KV usage and the share of
     running slots taken, plus the queue behind them: above 1 means a backlog, as the field allows.
     """
-    from xds.data.orca.v3 import orca_load_report_pb2
-
     slots = load.max_running or 1
     utilization = max(load.kv_usage, load.running / slots) + load.waiting / slots
-    report = orca_load_report_pb2.OrcaLoadReport(
+    report = _orca_class()(
         application_utilization=utilization,
         mem_utilization=min(1.0, load.resident_bytes / load.memory_limit_bytes) if load.memory_limit_bytes else 0.0,
         utilization={"kv_cache": load.kv_usage},

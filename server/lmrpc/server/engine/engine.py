@@ -560,6 +560,15 @@ class AsyncEngine:
         return self._engine.died
 
     @property
+    def running_by_client(self) -> dict[str, int]:
+        """Running outputs per client identity (refreshed each time the loop comes round)."""
+        return self._engine.running_by_client
+
+    @property
+    def load_tracker(self) -> LoadTracker:
+        return self._engine.load
+
+    @property
     def has_work(self) -> bool:
         """Calls are waiting on the engine."""
         return bool(self._calls)
