@@ -54,10 +54,12 @@ class FakeEngine:
     failure: str | None = None  # AsyncEngine.failure: set, calls are refused UNAVAILABLE
     load_tracker: LoadTracker = field(default_factory=LoadTracker)  # what GetLoad and ORCA reports read
 
+    max_running: int = 1_000  # live requests beyond the first max_running count as queued, not running
+
     @property
     def running_by_client(self) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for r in self.live.values():
+        for r in list(self.live.values())[:self.max_running]:
             counts[r.client] = counts.get(r.client, 0) + 1
         return counts
 
