@@ -336,3 +336,36 @@ async def test_watchdog_stuck_recovered_and_dead(caplog: pytest.LogCaptureFixtur
 
 def test_engine_stats_default_paused() -> None:
     assert EngineStats(1, 2, 3, 4, 5, 6).num_paused == 0
+
+
+# ---- flags ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--stalled-stream-timeout", "0"], "--stalled-stream-timeout must be in [0.1, 86400]"),
+    (["--engine-stall-timeout", "0.5"], "--engine-stall-timeout must be in [1, 86400]"),
+    (["--max-queued-per-client", "-1"], "--max-queued-per-client must be >= 0"),
+    (["--api-key-file", "/nonexistent/keys"], "--api-key-file: cannot read '/nonexistent/keys'"),
+    (["--api-key-file", "{empty}"], "holds no key"),
+])
+def test_bad_hardening_flags_exit_2_naming_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    flags: list[str], message: str) -> None:
+    from lmrpc.server.__main__ import parse_args, server_config
+
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(SystemExit) as exc:
+        server_config(parse_args([f.format(empty=empty) for f in flags]))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_max_buffered_outputs_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmrpc.server.__main__ import engine_config, parse_args, server_config
+
+    with pytest.raises(SystemExit) as exc:
+        engine_config(parse_args(["--max-buffered-outputs", "1"]))
+    assert exc.value.code == 2 and "--max-buffered-outputs must be in [2," in capsys.readouterr().err
+    args = parse_args(["--max-buffered-outputs", "16", "--max-queued-per-client", "4"])
+    assert engine_config(args).max_buffered_outputs == 16
+    assert server_config(args).max_queued_per_client == 4 and server_config(args).api_keys is None
