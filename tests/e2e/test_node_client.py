@@ -8,12 +8,16 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import pytest
 from google.rpc import status_pb2
+
+from lmrpc.client import Client, LmrpcError
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import RunningServer
@@ -129,3 +133,26 @@ def test_node_passes_the_api_key_and_reads_the_orca_trailer(summary: dict[str, A
     report = bytes.fromhex(auth["orca_report_hex"])
     assert b"kv_cache" in report and b"running_outputs" in report  # utilization and named_metrics keys
     assert report[0] in (0x11, 0x2A)  # mem_utilization (field 2, double) or utilization (field 5), in field order
+
+
+def test_both_services_need_the_key_from_python_and_the_cli(keyed_server: RunningServer) -> None:
+    with Client(keyed_server.target) as keyless:
+        for call in (lambda: keyless.chat("Hi", max_tokens=2), lambda: keyless.complete("Hi", max_tokens=2),
+                     lambda: keyless.generate("Hi", sampling_params={"max_new_tokens": 2}), keyless.get_load):
+            with pytest.raises(LmrpcError) as info:
+                call()
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert keyless.health().name == "SERVING"
+    with Client(keyed_server.target, api_key=API_KEY) as keyed:
+        assert keyed.chat("Hi", max_tokens=2, temperature=0).choices[0].message.content is not None
+        assert keyed.complete("Hi", max_tokens=2).choices
+    cli = [os.path.join(os.path.dirname(sys.executable), "lmrpc"), "load", "--target", keyed_server.target]
+    denied = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=False,
+                            env={k: v for k, v in os.environ.items() if k != "LMRPC_API_KEY"})
+    assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+    allowed = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=False,
+                             env={**os.environ, "LMRPC_API_KEY": API_KEY})
+    assert allowed.returncode == 0 and "kv_cache_pages:" in allowed.stdout, allowed.stderr
+    flag = subprocess.run([*cli, "--api-key", API_KEY, "--json"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert flag.returncode == 0 and json.loads(flag.stdout)["max_running_outputs"] == 64

@@ -369,3 +369,34 @@ def test_max_buffered_outputs_flag(capsys: pytest.CaptureFixture[str]) -> None:
     args = parse_args(["--max-buffered-outputs", "16", "--max-queued-per-client", "4"])
     assert engine_config(args).max_buffered_outputs == 16
     assert server_config(args).max_queued_per_client == 4 and server_config(args).api_keys is None
+
+
+async def test_priority_and_client_reach_the_engine() -> None:
+    engine = FakeEngine()
+    seen: list[tuple[int, str]] = []
+    async with served(engine) as (channel, _, _port):
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        original = engine.generate
+
+        async def spy(requests):  # type: ignore[no-untyped-def]
+            seen.extend((r.priority, r.client) for r in requests)
+            async for out in original(requests):
+                yield out
+
+        engine.generate = spy  # type: ignore[method-assign]
+        request = ids_request([5, 6])
+        request.priority = -7
+        _ = [m async for m in stub.Generate(request)]
+        _ = [m async for m in stub.Generate(ids_request([5, 6]))]
+    assert seen[0][0] == -7 and seen[1][0] == 0
+    assert all(client == "peer:ipv4:127.0.0.1" for _, client in seen)
+
+
+def test_the_metrics_have_the_process_rss() -> None:
+    from prometheus_client import generate_latest
+
+    from lmrpc.server.metrics import Metrics
+
+    text = generate_latest(Metrics().registry).decode()
+    rss = [line for line in text.splitlines() if line.startswith("process_resident_memory_bytes ")]
+    assert rss and float(rss[0].split()[1]) > 10 << 20
