@@ -18,7 +18,7 @@ from typing import cast
 import grpc
 
 from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.metrics import Metrics

@@ -20,8 +20,8 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.detokenizer import OutputProcessor
-from lmrpc.server.engine.engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.openai.service import OpenAIService

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from lmrpc.server.engine.engine import AsyncEngine, _Abort, _Add
+from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.live import _Abort, _Add
 from lmrpc.server.protocol import (
     EngineOutput,
     EngineRequest,

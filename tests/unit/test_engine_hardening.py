@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from test_engine import make_engine, random_prompt, request, tokens, wait_idle
 
-from lmrpc.server.engine.engine import AsyncEngine, EngineUnavailable
+from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.engine import EngineUnavailable
 from lmrpc.server.engine.sequence import ScheduledBatch
 from lmrpc.server.protocol import EngineOutput, FinishReason, SamplingParams
 

@@ -24,7 +24,7 @@ from grpc_status import rpc_status
 from lmrpc.server import auth, load
 from lmrpc.server.auth import ApiKeys, AuthInterceptor
 from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.protocol import EngineStats
 from lmrpc.server.service import GenerateService

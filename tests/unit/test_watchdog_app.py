@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmrpc.server.app import SERVICE_NAME, App
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import ScheduledBatch
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lmrpc.server.auth import AuthInterceptor
 from lmrpc.server.config import EngineConfig, ServerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.metrics import Metrics, MetricsServer
 from lmrpc.server.openai.service import OpenAIService

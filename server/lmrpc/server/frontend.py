@@ -16,7 +16,8 @@ import grpc
 
 from lmrpc.server import auth, load, memory, validation
 from lmrpc.server.config import EngineConfig, ServerConfig
-from lmrpc.server.engine.engine import AsyncEngine, EngineUnavailable
+from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.engine import EngineUnavailable
 from lmrpc.server.metrics import Metrics
 from lmrpc.server.protocol import EngineRequest
 from lmrpc.server.telemetry import CallObserver

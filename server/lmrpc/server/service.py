@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from lmrpc.server import validation
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, TokenLogprob
 from lmrpc.server.telemetry import CallObserver
