@@ -55,6 +55,26 @@ else
   echo "skipped: not installed and not in CI (tests/e2e/test_nginx.py will skip; apt-get install nginx-light)"
 fi
 
+# tests/e2e/test_container.py runs the image. CI builds it here with podman from Debian's packages alone (no
+# container registry is reachable): a debootstrapped Debian base, then the Dockerfile (scripts/container.sh). Layers
+# are cached between runs on one machine; a fresh machine takes several minutes. Off CI the test skips unless the
+# image was built by hand.
+stage "container image (scripts/container.sh)"
+if [[ -n "${CI:-}" ]]; then
+  SUDO=()
+  if [[ "$(id -u)" -ne 0 ]] && command -v sudo >/dev/null 2>&1; then
+    SUDO=(sudo -n)
+  fi
+  if ! command -v podman >/dev/null 2>&1 || ! command -v runc >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then
+    ${SUDO[@]+"${SUDO[@]}"} apt-get update
+    ${SUDO[@]+"${SUDO[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      podman runc debootstrap
+  fi
+  ${SUDO[@]+"${SUDO[@]}"} scripts/container.sh localhost/lmrpc:test
+else
+  echo "skipped: not in CI (build it with scripts/container.sh; tests/e2e/test_container.py skips without it)"
+fi
+
 # pytest imports test files by basename (tests import helpers such as fake_engine as top-level modules), so two
 # test files of one name in different folders break collection of the whole run: say which, before pytest does.
 stage "test file names are unique"

@@ -6,12 +6,21 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import grpc
 import pytest
 from google.rpc import status_pb2
+
+from lmrpc.client import Client, LmrpcError
+
+if TYPE_CHECKING:
+    from tests.e2e.conftest import RunningServer
 
 pytestmark = pytest.mark.e2e
 
@@ -52,9 +61,23 @@ def _googleapis_dir() -> Path:
     return root
 
 
+API_KEY = "node-test-key-0123456789abcdef"
+
+
 @pytest.fixture(scope="module")
-def summary(node_deps: Path, server: Any) -> dict[str, Any]:
-    command = ["node", str(SCRIPT), server.target, "--googleapis", str(_googleapis_dir())]
+def keyed_server(launch_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A server of its own that requires an API key (--api-key-file), so the Node client shows it passes one."""
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text(f"# the Node test's key\n{API_KEY}\n")
+    running = launch_server("--api-key-file", str(keys), "--sampling-defaults", "openai")
+    yield running
+    running.process.send_signal(signal.SIGTERM)
+    assert running.process.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="module")
+def summary(node_deps: Path, keyed_server: RunningServer) -> dict[str, Any]:
+    command = ["node", str(SCRIPT), keyed_server.target, "--googleapis", str(_googleapis_dir()), "--api-key", API_KEY]
     done = subprocess.run(command, cwd=NODE_DIR, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, f"the Node.js client failed (exit {done.returncode}):\n{done.stderr}\n{done.stdout}"
     result: dict[str, Any] = json.loads(done.stdout)
@@ -99,3 +122,37 @@ def test_node_chats_and_decodes_its_bad_request(summary: dict[str, Any]) -> None
     chat = summary["chat"]
     assert chat["content"] and chat["usage"]["prompt_tokens"] > 0
     assert [v["field"] for v in chat["invalid"]["field_violations"]] == ["messages"]
+
+
+def test_node_passes_the_api_key_and_reads_the_orca_trailer(summary: dict[str, Any]) -> None:
+    auth = summary["auth"]
+    assert auth["unauthenticated"] == "UNAUTHENTICATED" and auth["stream_unauthenticated"] == "UNAUTHENTICATED"
+    assert "Bearer" in auth["unauthenticated_message"]
+    assert auth["health_without_key"] == "SERVING"
+    assert auth["load"]["kv_cache_pages"] > 0 and auth["load"]["max_running_outputs"] == 64
+    report = bytes.fromhex(auth["orca_report_hex"])
+    assert b"kv_cache" in report and b"running_outputs" in report  # utilization and named_metrics keys
+    assert report[0] in (0x11, 0x2A)  # mem_utilization (field 2, double) or utilization (field 5), in field order
+
+
+def test_both_services_need_the_key_from_python_and_the_cli(keyed_server: RunningServer) -> None:
+    with Client(keyed_server.target) as keyless:
+        for call in (lambda: keyless.chat("Hi", max_tokens=2), lambda: keyless.complete("Hi", max_tokens=2),
+                     lambda: keyless.generate("Hi", sampling_params={"max_new_tokens": 2}), keyless.get_load):
+            with pytest.raises(LmrpcError) as info:
+                call()
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert keyless.health().name == "SERVING"
+    with Client(keyed_server.target, api_key=API_KEY) as keyed:
+        assert keyed.chat("Hi", max_tokens=2, temperature=0).choices[0].message.content is not None
+        assert keyed.complete("Hi", max_tokens=2).choices
+    cli = [os.path.join(os.path.dirname(sys.executable), "lmrpc"), "load", "--target", keyed_server.target]
+    denied = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=False,
+                            env={k: v for k, v in os.environ.items() if k != "LMRPC_API_KEY"})
+    assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+    allowed = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=False,
+                             env={**os.environ, "LMRPC_API_KEY": API_KEY})
+    assert allowed.returncode == 0 and "kv_cache_pages:" in allowed.stdout, allowed.stderr
+    flag = subprocess.run([*cli, "--api-key", API_KEY, "--json"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert flag.returncode == 0 and json.loads(flag.stdout)["max_running_outputs"] == 64

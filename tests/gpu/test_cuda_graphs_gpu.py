@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.protocol import EngineRequest, SamplingParams
 
 try:

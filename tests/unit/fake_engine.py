@@ -18,8 +18,9 @@ from typing import cast
 import grpc
 
 from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
+from lmrpc.server.load import LoadTracker
 from lmrpc.server.metrics import Metrics
 from lmrpc.server.protocol import (
     EngineOutput,
@@ -50,6 +51,17 @@ class FakeEngine:
     model_info: ModelInfo = INFO
     live: dict[str, EngineRequest] = field(default_factory=dict)  # request_id -> request, while generating
     on_generate: list[Callable[[], None]] = field(default_factory=list)  # run inside each generate (span probes)
+    failure: str | None = None  # AsyncEngine.failure: set, calls are refused UNAVAILABLE
+    load_tracker: LoadTracker = field(default_factory=LoadTracker)  # what GetLoad and ORCA reports read
+
+    max_running: int = 1_000  # live requests beyond the first max_running count as queued, not running
+
+    @property
+    def running_by_client(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in list(self.live.values())[:self.max_running]:
+            counts[r.client] = counts.get(r.client, 0) + 1
+        return counts
 
     async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[EngineOutput]:
         for probe in self.on_generate:

@@ -20,9 +20,10 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.detokenizer import OutputProcessor
-from lmrpc.server.engine.engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
+from lmrpc.server.load import LoadTracker
 from lmrpc.server.openai.service import OpenAIService
 from lmrpc.server.protocol import (
     Constraint,
@@ -75,6 +76,9 @@ class ScriptedEngine:
     requests: list[EngineRequest] = field(default_factory=list)  # every request submitted, in order
     live: set[str] = field(default_factory=set)  # request ids generating now
     grammar: _TokenBytes = field(init=False)
+    failure: str | None = None  # AsyncEngine.failure: set, calls are refused UNAVAILABLE
+    running_by_client: dict[str, int] = field(default_factory=dict)  # nobody counted: no per-client cap reached
+    load_tracker: LoadTracker = field(default_factory=LoadTracker)  # what ORCA reports read
 
     def __post_init__(self) -> None:
         self.grammar = _TokenBytes(self.tokenizer)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from lmrpc.server.engine.engine import AsyncEngine, _Abort, _Add
+from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.live import _Abort, _Add
 from lmrpc.server.protocol import (
     EngineOutput,
     EngineRequest,
@@ -26,13 +27,14 @@ VOCAB_LOW, VOCAB_HIGH = 100, 40000  # ordinary tokens of the real tokenizer (no 
 
 
 def make_engine(model_dir: Path, *, kv_tokens: int = 8192, page_size: int = 16, max_running: int = 64,
-                max_batched: int = 256) -> AsyncEngine:
+                max_batched: int = 256, max_buffered: int = 64) -> AsyncEngine:
     config = EngineConfig(
         model=ModelConfig(path=str(model_dir), dtype="float32", device="cpu"),
         cache=CacheConfig(page_size=page_size, num_tokens=kv_tokens),
         scheduler=SchedulerConfig(max_running_requests=max_running, max_batched_tokens=max_batched,
                                   max_prefill_chunk=max_batched),
         sampling_defaults="openai",
+        max_buffered_outputs=max_buffered,
     )
     return AsyncEngine.start(config)
 

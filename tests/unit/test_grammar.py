@@ -19,7 +19,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, MaskFiller
 from lmrpc.server.protocol import (
     Constraint,

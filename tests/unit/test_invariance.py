@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from lmrpc.kernels import native
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import Sequence
 from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 

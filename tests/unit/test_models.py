@@ -24,7 +24,7 @@ from lmrpc.kernels import native
 from lmrpc.kernels.attention import select_backend
 from lmrpc.kernels.paged import AttentionBackend, ChunkSpec
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.models import CausalLM, ForwardContext
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import DenseLinear

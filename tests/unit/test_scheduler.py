@@ -214,3 +214,82 @@ def test_shared_pages_are_refcounted() -> None:
     kv.free(b)
     assert kv.num_used_pages == 0 and kv.num_cached_pages == 3 and kv.num_free_pages == 16  # + a's partial tail
     kv.check_invariants()
+
+
+# ---- priority and backpressure ---------------------------------------------------------------------------------
+
+
+def prio_seq(prompt: list[int], priority: int, max_new: int = 4) -> Sequence:
+    req = EngineRequest(f"p{priority}-{prompt[0]}", "r", 0, tuple(prompt), SamplingParams(max_new_tokens=max_new),
+                        priority=priority)
+    return Sequence(req)
+
+
+def test_waiting_queue_is_by_priority_then_arrival() -> None:
+    s = make(max_running=1, budget=64)
+    a, b, c, d = prio_seq([1, 2], 5), prio_seq([3, 4], 0), prio_seq([5, 6], 5), prio_seq([7, 8], -3)
+    for x in (a, b, c, d):
+        s.add(x)
+    assert s.waiting == [d, b, a, c]  # lower first; a and c tie on 5: a arrived first
+    order = []
+    while s.has_work:
+        for chunk in fake_step(s).chunks:
+            if chunk.seq not in order:
+                order.append(chunk.seq)
+    assert order == [d, b, a, c]
+
+
+def test_a_preempted_sequence_keeps_its_place_by_priority() -> None:
+    s = make(num_pages=4, page_size=4, max_running=4, budget=64)
+    low, high = prio_seq(list(range(1, 7)), 9, max_new=9), prio_seq(list(range(10, 16)), 1, max_new=9)
+    s.add(low)
+    fake_step(s)
+    s.add(high)
+    preempted = []
+    for _ in range(60):
+        if not s.has_work:
+            break
+        preempted.extend(fake_step(s).preempted)
+    assert preempted and preempted[0] is low  # the lower priority gives its pages up, whoever came first
+    assert high.finished and low.finished
+
+
+def test_a_paused_sequence_is_not_scheduled_and_keeps_its_pages() -> None:
+    s = make(budget=64)
+    a, b = seq([1, 2, 3], max_new=50), seq([4, 5, 6], max_new=50)
+    s.add(a)
+    s.add(b)
+    fake_step(s)
+    a.paused = True
+    pages = list(a.page_table)
+    for _ in range(5):
+        batch = fake_step(s)
+        assert [c.seq for c in batch.chunks] == [b]
+    assert a.page_table == pages and a.num_output_tokens == 1
+    b.paused = True
+    assert not s.has_runnable_work and s.has_work and s.num_paused == 2
+    assert fake_step(s).empty  # nothing to do: nobody is preempted for it
+    a.paused = False
+    assert [c.seq for c in fake_step(s).chunks] == [a]
+
+
+def test_a_paused_sequence_gives_its_pages_to_a_live_one_first() -> None:
+    s = make(num_pages=4, page_size=4, max_running=4, budget=64)
+    stalled, live = seq(list(range(1, 8)), max_new=8), seq(list(range(20, 27)), max_new=8)
+    s.add(stalled)
+    fake_step(s)
+    stalled.paused = True  # holds 2 of the 4 pages
+    s.add(live)
+    preempted = []
+    for _ in range(40):
+        batch = fake_step(s)
+        preempted.extend(batch.preempted)
+        if live.finished:
+            break
+    assert live.finished, "a stalled client's pages must not starve a live request"
+    assert preempted and all(p is stalled for p in preempted)
+    assert stalled.status is SeqStatus.WAITING and stalled.page_table == []
+    stalled.paused = False
+    while s.has_work:
+        fake_step(s)
+    assert stalled.finished and s.kv.num_used_pages == 0

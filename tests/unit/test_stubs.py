@@ -12,7 +12,7 @@ from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 # RPC name -> client method name.
 CLIENT_METHODS = {"Generate": "generate", "Abort": "abort", "GetModelInfo": "model_info",
-                  "Tokenize": "tokenize", "Detokenize": "detokenize"}
+                  "Tokenize": "tokenize", "Detokenize": "detokenize", "GetLoad": "get_load"}
 
 
 def test_every_rpc_has_a_client_method() -> None:

@@ -1,5 +1,5 @@
-"""The `lmrpc` command line: generate, complete, chat, info, tokenize, detokenize, health and abort against an lmrpc
-server (complete and chat: cli_openai.py).
+"""The `lmrpc` command line: generate, complete, chat, info, load, tokenize, detokenize, health and abort against an
+lmrpc server (complete and chat: cli_openai.py).
 
 Exit codes: 0 success; 1 an RPC failed, an output finished with ERROR, or health is not SERVING; 2 bad usage;
 130 interrupted (the call is cancelled, which frees the server's work).
@@ -31,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command: Callable[[Client, argparse.Namespace], int] = args.command
     try:
-        with Client(args.target, credentials=channel_credentials(args), timeout=args.timeout) as client:
+        with Client(args.target, credentials=channel_credentials(args), timeout=args.timeout,
+                    api_key=args.api_key or None) as client:
             return command(client, args)
     except LmrpcError as e:
         print(f"lmrpc: error: {e}", file=sys.stderr)
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="server address host:port (default: $LMRPC_TARGET or %(default)s)")
     common.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="deadline of each call in seconds; a passed deadline aborts the request (default: none)")
+    common.add_argument("--api-key", metavar="KEY", default=os.environ.get("LMRPC_API_KEY"),
+                        help="API key of a server run with --api-key-file, sent as 'authorization: Bearer KEY' "
+                             "(default: $LMRPC_API_KEY)")
     secure = common.add_argument_group("TLS (plaintext unless one of these is given)")
     secure.add_argument("--tls", action="store_true", help="use TLS, trusting the system's root certificates")
     secure.add_argument("--tls-ca", metavar="PEM", help="use TLS, trusting this CA (bundle) for the server certificate")
@@ -108,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --logprobs: K alternatives per token")
     gen.add_argument("--logprob-start-len", type=int, metavar="POS", help="with --logprobs: prompt logprobs from POS")
     gen.add_argument("--rid", action="append", help="request id (one per prompt; use it with `lmrpc abort`)")
+    gen.add_argument("--priority", type=int, metavar="P",
+                     help="scheduling priority: lower is admitted first among waiting requests (default 0)")
     gen.add_argument("--custom-logit-processor", metavar="NAME", help="name of a server-registered logit processor")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per output (per message with --stream) instead of text")
@@ -133,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="retry until SERVING for at most SECONDS (while the server starts or loads the model)")
     health.add_argument("--service", default="", help='service name to check (default "": the whole server)')
     health.set_defaults(command=cmd_health)
+
+    load = sub.add_parser("load", parents=[common], help="the server's load (GetLoad)",
+                          description="Print the server's load: outputs running, waiting and paused, KV-cache use, "
+                                      "tokens per second and median queue time over the last minute, memory.")
+    load.add_argument("--json", action="store_true", help="print JSON")
+    load.set_defaults(command=cmd_load)
 
     abort = sub.add_parser("abort", parents=[common], help="abort running or queued requests")
     abort.add_argument("rid", nargs="*", help="request ids to abort")
@@ -183,7 +195,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {
         "sampling_params": params, "rid": args.rid, "return_logprob": args.logprobs,
         "top_logprobs_num": args.top_logprobs, "logprob_start_len": args.logprob_start_len,
-        "custom_logit_processor": args.custom_logit_processor,
+        "custom_logit_processor": args.custom_logit_processor, "priority": args.priority,
     }
     prompts: list[str] = args.prompt
     text: str | list[str] = prompts[0] if len(prompts) == 1 else prompts
@@ -257,6 +269,16 @@ def cmd_info(client: Client, args: argparse.Namespace) -> int:
     for f in dataclasses.fields(info):
         value = getattr(info, f.name)
         print(f"{f.name}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    return EXIT_OK
+
+
+def cmd_load(client: Client, args: argparse.Namespace) -> int:
+    load = client.get_load()
+    if args.json:
+        print_json(load, sys.stdout)
+        return EXIT_OK
+    for f in dataclasses.fields(load):
+        print(f"{f.name}: {getattr(load, f.name)}")
     return EXIT_OK
 
 

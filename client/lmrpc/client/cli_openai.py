@@ -36,6 +36,7 @@ COMMON_FLAGS: tuple[tuple[str, type, str, str], ...] = (
     ("--top-k", int, "K", "keep only the k most likely tokens; -1 keeps all"),
     ("--n", int, "N", "choices (default 1)"),
     ("--seed", int, "SEED", "sampling seed for reproducible output"),
+    ("--priority", int, "P", "scheduling priority: lower is admitted first among waiting requests (default 0)"),
 )
 
 
@@ -85,7 +86,7 @@ def _params(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
     return params
 
 
-_COMMON_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "n", "seed", "model")
+_COMMON_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "n", "seed", "priority", "model")
 
 
 def cmd_complete(client: Client, args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lmrpc.client.convert import SamplingParamsLike, build_generate_request
 from lmrpc.client.errors import LmrpcError
 from lmrpc.client.openai_calls import AsyncOpenAIMethods, OpenAIMethods
-from lmrpc.client.results import GenerateDelta, GenerateResult, ModelInfo, ServingStatus, merge
+from lmrpc.client.results import GenerateDelta, GenerateResult, Load, ModelInfo, ServingStatus, merge
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc, openai_pb2_grpc
 
 DEFAULT_TARGET = "localhost:50051"
@@ -106,10 +106,14 @@ class _Base:
     """What the two clients share: target, call defaults, channel options."""
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None,
-                 options: Sequence[tuple[str, Any]] | None, timeout: float | None, metadata: Metadata | None) -> None:
+                 options: Sequence[tuple[str, Any]] | None, timeout: float | None, metadata: Metadata | None,
+                 api_key: str | None) -> None:
         self.target = target  # host:port of the server
         self.timeout = timeout  # default per-call deadline in seconds (None: no deadline)
-        self.metadata: tuple[tuple[str, str], ...] = tuple(metadata or ())  # sent with every call
+        if api_key is not None and (not api_key or not api_key.isascii() or any(c.isspace() for c in api_key)):
+            raise ValueError("api_key must be non-empty printable ASCII without spaces")
+        auth = (("authorization", f"Bearer {api_key}"),) if api_key is not None else ()
+        self.metadata: tuple[tuple[str, str], ...] = auth + tuple(metadata or ())  # sent with every call
         self._credentials = credentials  # None: plaintext
         self._options = list({**DEFAULT_CHANNEL_OPTIONS, **dict(options or ())}.items())
 
@@ -131,8 +135,9 @@ class Client(_Base, OpenAIMethods):
 
     def __init__(self, target: str = DEFAULT_TARGET, *, credentials: grpc.ChannelCredentials | None = None,
                  options: Sequence[tuple[str, Any]] | None = None, timeout: float | None = None,
-                 metadata: Metadata | None = None) -> None:
-        super().__init__(target, credentials=credentials, options=options, timeout=timeout, metadata=metadata)
+                 metadata: Metadata | None = None, api_key: str | None = None) -> None:
+        super().__init__(target, credentials=credentials, options=options, timeout=timeout, metadata=metadata,
+                         api_key=api_key)
         self._channel: grpc.Channel = self._open(grpc)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._openai = openai_pb2_grpc.OpenAIServiceStub(self._channel)
@@ -155,6 +160,7 @@ class Client(_Base, OpenAIMethods):
                  logprob_start_len: int | None = ..., top_logprobs_num: int = ...,
                  token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                  custom_logit_processor: str | None = ..., stream: Literal[False] = ...,
+                 priority: int | None = ...,
                  timeout: float | None = ..., metadata: Metadata | None = ...) -> list[GenerateResult]: ...
 
     @overload
@@ -165,6 +171,7 @@ class Client(_Base, OpenAIMethods):
                  logprob_start_len: int | None = ..., top_logprobs_num: int = ...,
                  token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                  custom_logit_processor: str | None = ..., stream: Literal[True],
+                 priority: int | None = ...,
                  timeout: float | None = ..., metadata: Metadata | None = ...) -> DeltaStream: ...
 
     def generate(self, text: str | Sequence[str] | None = None, *,
@@ -174,15 +181,17 @@ class Client(_Base, OpenAIMethods):
                  logprob_start_len: int | None = None, top_logprobs_num: int = 0,
                  token_ids_logprob: Sequence[int] | None = None, return_text_in_logprobs: bool = False,
                  custom_logit_processor: str | None = None, stream: bool = False,
+                 priority: int | None = None,
                  timeout: float | None = None,
                  metadata: Metadata | None = None) -> list[GenerateResult] | DeltaStream:
         """Generate from one prompt or a batch. stream=True: an iterator of deltas (leaving it early cancels the
-        call); otherwise one merged result per output index, ordered by index."""
+        call); otherwise one merged result per output index, ordered by index. priority: lower is admitted first
+        among waiting requests (default 0)."""
         request = build_generate_request(
             text, input_ids=input_ids, sampling_params=sampling_params, rid=rid, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            custom_logit_processor=custom_logit_processor, stream=stream)
+            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority)
         deltas = self._generate_stream(request, self._call_kwargs(timeout, metadata))
         return deltas if stream else merge(deltas)
 
@@ -217,6 +226,10 @@ class Client(_Base, OpenAIMethods):
                    metadata: Metadata | None = None) -> str:
         request = generate_pb2.DetokenizeRequest(token_ids=ids, skip_special_tokens=skip_special_tokens)
         return self._unary(self._stub.Detokenize, request, timeout, metadata).text
+
+    def get_load(self, *, timeout: float | None = None, metadata: Metadata | None = None) -> Load:
+        """GetLoad: the server's load now and over the last minute (for routing and dashboards)."""
+        return Load.from_pb(self._unary(self._stub.GetLoad, generate_pb2.GetLoadRequest(), timeout, metadata))
 
     def health(self, service: str = "", *, timeout: float | None = None,
                metadata: Metadata | None = None) -> ServingStatus:
@@ -259,8 +272,9 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
 
     def __init__(self, target: str = DEFAULT_TARGET, *, credentials: grpc.ChannelCredentials | None = None,
                  options: Sequence[tuple[str, Any]] | None = None, timeout: float | None = None,
-                 metadata: Metadata | None = None) -> None:
-        super().__init__(target, credentials=credentials, options=options, timeout=timeout, metadata=metadata)
+                 metadata: Metadata | None = None, api_key: str | None = None) -> None:
+        super().__init__(target, credentials=credentials, options=options, timeout=timeout, metadata=metadata,
+                         api_key=api_key)
         self._channel: aio.Channel = self._open(aio)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._openai = openai_pb2_grpc.OpenAIServiceStub(self._channel)  # the aio stub, for an aio channel
@@ -283,6 +297,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
                        logprob_start_len: int | None = ..., top_logprobs_num: int = ...,
                        token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                        custom_logit_processor: str | None = ..., stream: Literal[False] = ...,
+                       priority: int | None = ...,
                        timeout: float | None = ..., metadata: Metadata | None = ...) -> list[GenerateResult]: ...
 
     @overload
@@ -293,6 +308,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
                        logprob_start_len: int | None = ..., top_logprobs_num: int = ...,
                        token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                        custom_logit_processor: str | None = ..., stream: Literal[True],
+                       priority: int | None = ...,
                        timeout: float | None = ...,
                        metadata: Metadata | None = ...) -> AsyncDeltaStream: ...
 
@@ -303,6 +319,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
                        logprob_start_len: int | None = None, top_logprobs_num: int = 0,
                        token_ids_logprob: Sequence[int] | None = None, return_text_in_logprobs: bool = False,
                        custom_logit_processor: str | None = None, stream: bool = False,
+                       priority: int | None = None,
                        timeout: float | None = None,
                        metadata: Metadata | None = None) -> list[GenerateResult] | AsyncDeltaStream:
         """Like Client.generate. stream=True: `async for delta in await client.generate(..., stream=True)`."""
@@ -310,7 +327,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
             text, input_ids=input_ids, sampling_params=sampling_params, rid=rid, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            custom_logit_processor=custom_logit_processor, stream=stream)
+            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority)
         deltas = self._generate_stream(request, self._call_kwargs(timeout, metadata))
         if stream:
             return deltas
@@ -346,6 +363,10 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
                          timeout: float | None = None, metadata: Metadata | None = None) -> str:
         request = generate_pb2.DetokenizeRequest(token_ids=ids, skip_special_tokens=skip_special_tokens)
         return str((await self._unary(self._stub.Detokenize, request, timeout, metadata)).text)
+
+    async def get_load(self, *, timeout: float | None = None, metadata: Metadata | None = None) -> Load:
+        response = await self._unary(self._stub.GetLoad, generate_pb2.GetLoadRequest(), timeout, metadata)
+        return Load.from_pb(response)
 
     async def health(self, service: str = "", *, timeout: float | None = None,
                      metadata: Metadata | None = None) -> ServingStatus:

@@ -113,6 +113,7 @@ def build_generate_request(
     return_text_in_logprobs: bool,
     custom_logit_processor: str | None,
     stream: bool,
+    priority: int | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Build a GenerateRequest; a single prompt (str, or a flat list of ints) becomes a batch of one."""
     if (text is None) == (input_ids is None):
@@ -124,6 +125,8 @@ def build_generate_request(
         custom_logit_processor=custom_logit_processor or "",
         stream=stream,
     )
+    if priority is not None:
+        req.priority = priority
     if text is not None:
         req.text.extend([text] if isinstance(text, str) else text)
     if input_ids is not None:

@@ -55,6 +55,7 @@ class _SamplingFields(TypedDict, total=False):
     return_token_ids: bool
     json_whitespace_flexible: bool
     rid: str
+    priority: int
 
 
 class CompleteParams(_SamplingFields, total=False):

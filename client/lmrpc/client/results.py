@@ -5,6 +5,7 @@ Users of the client never need to touch protobuf objects: every RPC answer is tu
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -208,3 +209,25 @@ class ModelInfo:
             quantization=pb.quantization or "none",
             weight_formats=list(pb.weight_formats),
         )
+
+
+@dataclass(frozen=True)
+class Load:
+    """How loaded the server is (GetLoad): now, and over the last minute."""
+
+    running_outputs: int  # outputs holding KV-cache pages (paused ones included)
+    waiting_outputs: int  # outputs waiting for admission (preempted ones included)
+    paused_outputs: int  # outputs not scheduled because their client is not reading
+    kv_cache_usage: float  # share of KV pages held by live outputs, [0, 1]
+    kv_cache_pages: int  # pages in the KV cache
+    kv_cache_used_pages: int  # pages held by live outputs
+    generation_tokens_per_second: float  # over the last minute
+    prompt_tokens_per_second: float  # prompt tokens computed, over the last minute
+    queue_time_p50_seconds: float  # median arrival -> first step, over the last minute
+    resident_memory_bytes: int  # the server process's RSS
+    memory_limit_bytes: int  # the container's memory limit, else the host's available memory at start; 0: unknown
+    max_running_outputs: int  # --max-running-requests
+
+    @classmethod
+    def from_pb(cls, pb: generate_pb2.GetLoadResponse) -> Load:
+        return cls(**{f.name: getattr(pb, f.name) for f in dataclasses.fields(cls)})

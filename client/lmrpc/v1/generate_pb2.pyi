@@ -95,6 +95,7 @@ class GenerateRequest(_message.Message):
     CUSTOM_LOGIT_PROCESSOR_FIELD_NUMBER: _builtins.int
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _builtins.int
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     return_logprob: _builtins.bool
     """Return log probabilities of the output tokens (and of the prompt from logprob_start_len). Default false."""
     logprob_start_len: _builtins.int
@@ -115,6 +116,11 @@ class GenerateRequest(_message.Message):
     """Return the final hidden states. Not built yet: true is answered UNIMPLEMENTED."""
     return_routed_experts: _builtins.bool
     """Return routed expert ids of MoE models. Not built yet: true is answered UNIMPLEMENTED."""
+    priority: _builtins.int
+    """Scheduling priority among waiting outputs: lower is admitted first, equal priorities in arrival order. Unset:
+    0. Any int32. It orders the queue only: running outputs are not preempted for a lower number unless pages run
+    out, and then the highest number (the newest among equals) gives its pages up first.
+    """
     @_builtins.property
     def text(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Prompts as text, one per batch member. Exactly one of text, input_ids and input_embeds must be given."""
@@ -175,14 +181,20 @@ class GenerateRequest(_message.Message):
         custom_logit_processor: _builtins.str = ...,
         return_hidden_states: _builtins.bool = ...,
         return_routed_experts: _builtins.bool = ...,
+        priority: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "logprob_start_len", b"logprob_start_len"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_priority", b"_priority", "logprob_start_len", b"logprob_start_len", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "audio_data", b"audio_data", "custom_logit_processor", b"custom_logit_processor", "image_data", b"image_data", "input_embeds", b"input_embeds", "input_ids", b"input_ids", "logprob_start_len", b"logprob_start_len", "lora_path", b"lora_path", "return_hidden_states", b"return_hidden_states", "return_logprob", b"return_logprob", "return_routed_experts", b"return_routed_experts", "return_text_in_logprobs", b"return_text_in_logprobs", "rid", b"rid", "sampling_params", b"sampling_params", "stream", b"stream", "text", b"text", "token_ids_logprob", b"token_ids_logprob", "top_logprobs_num", b"top_logprobs_num"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_priority", b"_priority", "audio_data", b"audio_data", "custom_logit_processor", b"custom_logit_processor", "image_data", b"image_data", "input_embeds", b"input_embeds", "input_ids", b"input_ids", "logprob_start_len", b"logprob_start_len", "lora_path", b"lora_path", "priority", b"priority", "return_hidden_states", b"return_hidden_states", "return_logprob", b"return_logprob", "return_routed_experts", b"return_routed_experts", "return_text_in_logprobs", b"return_text_in_logprobs", "rid", b"rid", "sampling_params", b"sampling_params", "stream", b"stream", "text", b"text", "token_ids_logprob", b"token_ids_logprob", "top_logprobs_num", b"top_logprobs_num"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprob_start_len: _TypeAlias = _typing.Literal["logprob_start_len"]  # noqa: Y015
     _WhichOneofArgType__logprob_start_len: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob_start_len) -> _WhichOneofReturnType__logprob_start_len | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -1017,3 +1029,90 @@ class DetokenizeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DetokenizeResponse: _TypeAlias = DetokenizeResponse  # noqa: Y015
+
+@_typing.final
+class GetLoadRequest(_message.Message):
+    """GetLoadRequest asks for the replica's load (no fields)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLoadRequest: _TypeAlias = GetLoadRequest  # noqa: Y015
+
+@_typing.final
+class GetLoadResponse(_message.Message):
+    """GetLoadResponse is the replica's load now, and its throughput and queueing over the last minute."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNNING_OUTPUTS_FIELD_NUMBER: _builtins.int
+    WAITING_OUTPUTS_FIELD_NUMBER: _builtins.int
+    PAUSED_OUTPUTS_FIELD_NUMBER: _builtins.int
+    KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    KV_CACHE_PAGES_FIELD_NUMBER: _builtins.int
+    KV_CACHE_USED_PAGES_FIELD_NUMBER: _builtins.int
+    GENERATION_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    QUEUE_TIME_P50_SECONDS_FIELD_NUMBER: _builtins.int
+    RESIDENT_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_RUNNING_OUTPUTS_FIELD_NUMBER: _builtins.int
+    running_outputs: _builtins.int
+    """Outputs holding KV-cache pages (prefilling or decoding), paused ones included."""
+    waiting_outputs: _builtins.int
+    """Outputs waiting for admission, preempted ones included."""
+    paused_outputs: _builtins.int
+    """Outputs not scheduled because their client is not reading their stream (backpressure)."""
+    kv_cache_usage: _builtins.float
+    """Share of the KV cache's pages held by live outputs, in [0, 1] (pages kept only by the prefix cache are free)."""
+    kv_cache_pages: _builtins.int
+    """Pages in the KV cache."""
+    kv_cache_used_pages: _builtins.int
+    """Pages held by live outputs."""
+    generation_tokens_per_second: _builtins.float
+    """Tokens generated per second over the last minute (or since start, if shorter)."""
+    prompt_tokens_per_second: _builtins.float
+    """Prompt tokens computed per second over the last minute (prefix-cache hits are not computed)."""
+    queue_time_p50_seconds: _builtins.float
+    """Median seconds from a call's arrival to its output's first step, over outputs first scheduled in the last
+    minute; 0 when none was.
+    """
+    resident_memory_bytes: _builtins.int
+    """The server process's resident memory, in bytes."""
+    memory_limit_bytes: _builtins.int
+    """The memory limit the server lives under: the cgroup's (container) limit, else the host's available memory
+    when the server started; 0 when unknown.
+    """
+    max_running_outputs: _builtins.int
+    """--max-running-requests: running_outputs / max_running_outputs is the share of decode slots taken."""
+    def __init__(
+        self,
+        *,
+        running_outputs: _builtins.int = ...,
+        waiting_outputs: _builtins.int = ...,
+        paused_outputs: _builtins.int = ...,
+        kv_cache_usage: _builtins.float = ...,
+        kv_cache_pages: _builtins.int = ...,
+        kv_cache_used_pages: _builtins.int = ...,
+        generation_tokens_per_second: _builtins.float = ...,
+        prompt_tokens_per_second: _builtins.float = ...,
+        queue_time_p50_seconds: _builtins.float = ...,
+        resident_memory_bytes: _builtins.int = ...,
+        memory_limit_bytes: _builtins.int = ...,
+        max_running_outputs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation_tokens_per_second", b"generation_tokens_per_second", "kv_cache_pages", b"kv_cache_pages", "kv_cache_usage", b"kv_cache_usage", "kv_cache_used_pages", b"kv_cache_used_pages", "max_running_outputs", b"max_running_outputs", "memory_limit_bytes", b"memory_limit_bytes", "paused_outputs", b"paused_outputs", "prompt_tokens_per_second", b"prompt_tokens_per_second", "queue_time_p50_seconds", b"queue_time_p50_seconds", "resident_memory_bytes", b"resident_memory_bytes", "running_outputs", b"running_outputs", "waiting_outputs", b"waiting_outputs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLoadResponse: _TypeAlias = GetLoadResponse  # noqa: Y015

@@ -60,6 +60,11 @@ class GenerateServiceStub:
                 request_serializer=lmrpc_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=lmrpc_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/lmrpc.v1.GenerateService/GetLoad',
+                request_serializer=lmrpc_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=lmrpc_dot_v1_dot_generate__pb2.GetLoadResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -104,6 +109,15 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """GetLoad reports how loaded this replica is, for routers and load balancers. Every call of GenerateService and
+        OpenAIService also carries these figures as a gRPC ORCA load report in its trailing metadata
+        (endpoint-load-metrics-bin, an xds.data.orca.v3.OrcaLoadReport).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +145,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=lmrpc_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
                     response_serializer=lmrpc_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=lmrpc_dot_v1_dot_generate__pb2.GetLoadRequest.FromString,
+                    response_serializer=lmrpc_dot_v1_dot_generate__pb2.GetLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +288,33 @@ class GenerateService:
             '/lmrpc.v1.GenerateService/Detokenize',
             lmrpc_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
             lmrpc_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmrpc.v1.GenerateService/GetLoad',
+            lmrpc_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
+            lmrpc_dot_v1_dot_generate__pb2.GetLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,11 @@ class GenerateServiceStub:
     """Tokenize turns text into the model's token ids."""
     Detokenize: _grpc.UnaryUnaryMultiCallable[_generate_pb2.DetokenizeRequest, _generate_pb2.DetokenizeResponse]
     """Detokenize turns token ids back into text."""
+    GetLoad: _grpc.UnaryUnaryMultiCallable[_generate_pb2.GetLoadRequest, _generate_pb2.GetLoadResponse]
+    """GetLoad reports how loaded this replica is, for routers and load balancers. Every call of GenerateService and
+    OpenAIService also carries these figures as a gRPC ORCA load report in its trailing metadata
+    (endpoint-load-metrics-bin, an xds.data.orca.v3.OrcaLoadReport).
+    """
 
 @_typing.type_check_only
 class GenerateServiceAsyncStub(GenerateServiceStub):
@@ -73,6 +78,11 @@ class GenerateServiceAsyncStub(GenerateServiceStub):
     """Tokenize turns text into the model's token ids."""
     Detokenize: _aio.UnaryUnaryMultiCallable[_generate_pb2.DetokenizeRequest, _generate_pb2.DetokenizeResponse]  # type: ignore[assignment]
     """Detokenize turns token ids back into text."""
+    GetLoad: _aio.UnaryUnaryMultiCallable[_generate_pb2.GetLoadRequest, _generate_pb2.GetLoadResponse]  # type: ignore[assignment]
+    """GetLoad reports how loaded this replica is, for routers and load balancers. Every call of GenerateService and
+    OpenAIService also carries these figures as a gRPC ORCA load report in its trailing metadata
+    (endpoint-load-metrics-bin, an xds.data.orca.v3.OrcaLoadReport).
+    """
 
 class GenerateServiceServicer(metaclass=_abc_1.ABCMeta):
     """GenerateService generates text from prompts with one model."""
@@ -121,5 +131,16 @@ class GenerateServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generate_pb2.DetokenizeResponse, _abc.Awaitable[_generate_pb2.DetokenizeResponse]]:
         """Detokenize turns token ids back into text."""
+
+    @_abc_1.abstractmethod
+    def GetLoad(
+        self,
+        request: _generate_pb2.GetLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.GetLoadResponse, _abc.Awaitable[_generate_pb2.GetLoadResponse]]:
+        """GetLoad reports how loaded this replica is, for routers and load balancers. Every call of GenerateService and
+        OpenAIService also carries these figures as a gRPC ORCA load report in its trailing metadata
+        (endpoint-load-metrics-bin, an xds.data.orca.v3.OrcaLoadReport).
+        """
 
 def add_GenerateServiceServicer_to_server(servicer: GenerateServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

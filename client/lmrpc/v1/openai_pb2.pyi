@@ -130,6 +130,7 @@ class CompleteRequest(_message.Message):
     RETURN_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     JSON_WHITESPACE_FLEXIBLE_FIELD_NUMBER: _builtins.int
     RID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model's name (GetModelInfo.served_model_name); empty: the served model. "base:adapter" names a
     LoRA adapter: none is loaded yet, so it is answered NOT_FOUND, as is any other name.
@@ -210,6 +211,10 @@ class CompleteRequest(_message.Message):
     """Request id, for Abort (GenerateService.Abort). Default: the x-request-id metadata, or a fresh one. Must not
     be running already.
     """
+    priority: _builtins.int
+    """Scheduling priority among waiting outputs, as GenerateRequest.priority: lower first, ties in arrival order.
+    Unset: 0.
+    """
     @_builtins.property
     def prompt(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Prompts as text: one string, or several (a batch). Each non-empty. Exactly one of prompt and
@@ -289,10 +294,11 @@ class CompleteRequest(_message.Message):
         return_token_ids: _builtins.bool = ...,
         json_whitespace_flexible: _builtins.bool | None = ...,
         rid: _builtins.str = ...,
+        priority: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "best_of", b"best_of", "constraint", b"constraint", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stream_options", b"stream_options", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "best_of", b"best_of", "constraint", b"constraint", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "priority", b"priority", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stream_options", b"stream_options", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "best_of", b"best_of", "constraint", b"constraint", "ebnf", b"ebnf", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "lora_path", b"lora_path", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "no_stop_trim", b"no_stop_trim", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "return_cached_tokens_details", b"return_cached_tokens_details", "return_hidden_states", b"return_hidden_states", "return_routed_experts", b"return_routed_experts", "return_token_ids", b"return_token_ids", "rid", b"rid", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "best_of", b"best_of", "constraint", b"constraint", "ebnf", b"ebnf", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "lora_path", b"lora_path", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "no_stop_trim", b"no_stop_trim", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "return_cached_tokens_details", b"return_cached_tokens_details", "return_hidden_states", b"return_hidden_states", "return_routed_experts", b"return_routed_experts", "return_token_ids", b"return_token_ids", "rid", b"rid", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__best_of: _TypeAlias = _typing.Literal["best_of"]  # noqa: Y015
     _WhichOneofArgType__best_of: _TypeAlias = _typing.Literal["_best_of", b"_best_of"]  # noqa: Y015
@@ -312,6 +318,8 @@ class CompleteRequest(_message.Message):
     _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
     _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
     _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
@@ -344,6 +352,8 @@ class CompleteRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
@@ -814,6 +824,7 @@ class ChatCompleteRequest(_message.Message):
     JSON_WHITESPACE_FLEXIBLE_FIELD_NUMBER: _builtins.int
     RID_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model's name; empty: the served model. "base:adapter" and other names are NOT_FOUND."""
     max_tokens: _builtins.int
@@ -888,6 +899,10 @@ class ChatCompleteRequest(_message.Message):
     parallel_tool_calls: _builtins.bool
     """Allow more than one tool call in an answer. Default true; false: at most one (with "required" or "function",
     exactly one; with "auto", generation ends after the first call).
+    """
+    priority: _builtins.int
+    """Scheduling priority among waiting outputs, as GenerateRequest.priority: lower first, ties in arrival order.
+    Unset: 0.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
@@ -976,10 +991,11 @@ class ChatCompleteRequest(_message.Message):
         json_whitespace_flexible: _builtins.bool | None = ...,
         rid: _builtins.str = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        priority: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs", "constraint", b"constraint", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs", "constraint", b"constraint", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "priority", b"priority", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs", "constraint", b"constraint", "continue_final_message", b"continue_final_message", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "lora_path", b"lora_path", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "messages", b"messages", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "no_stop_trim", b"no_stop_trim", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "return_cached_tokens_details", b"return_cached_tokens_details", "return_hidden_states", b"return_hidden_states", "return_routed_experts", b"return_routed_experts", "return_token_ids", b"return_token_ids", "rid", b"rid", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs", "constraint", b"constraint", "continue_final_message", b"continue_final_message", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "lora_path", b"lora_path", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "messages", b"messages", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "no_stop_trim", b"no_stop_trim", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "priority", b"priority", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "return_cached_tokens_details", b"return_cached_tokens_details", "return_hidden_states", b"return_hidden_states", "return_routed_experts", b"return_routed_experts", "return_token_ids", b"return_token_ids", "rid", b"rid", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
     _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
@@ -1001,6 +1017,8 @@ class ChatCompleteRequest(_message.Message):
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
     _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
@@ -1037,6 +1055,8 @@ class ChatCompleteRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload

@@ -10,6 +10,7 @@ import sys
 from typing import NoReturn
 
 from lmrpc.server.app import serve
+from lmrpc.server.auth import ApiKeys
 from lmrpc.server.config import (
     DTYPES,
     QUANTIZATIONS,
@@ -20,7 +21,10 @@ from lmrpc.server.config import (
     ServerConfig,
     TransportConfig,
 )
+from lmrpc.server.memory import InsufficientMemoryError
 from lmrpc.server.telemetry import LOG_FORMATS, configure_logging
+
+EXIT_NO_MEMORY = 3  # the memory limit cannot hold the model and a minimal KV cache (2 is a flag error)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +72,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port (default: off). "
                         "Traces: set the standard OTEL_* variables (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)")
     _add_transport_flags(p)
+    _add_hardening_flags(p)
     return p.parse_args(argv)
+
+
+def _add_hardening_flags(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("access, fairness and robustness")
+    h.add_argument("--api-key-file", metavar="FILE",
+                   help="require 'authorization: Bearer KEY' metadata on GenerateService and OpenAIService calls, KEY "
+                        "one of the file's lines ('#' comments, blank lines skipped); health and reflection stay open "
+                        "(default: no authentication)")
+    h.add_argument("--max-queued-per-client", type=int, metavar="N",
+                   help="outputs one client (API key, else peer address) may have waiting while every running slot "
+                        "is taken; more get RESOURCE_EXHAUSTED with RetryInfo (default: no per-client cap)")
+    h.add_argument("--max-buffered-outputs", type=int, default=64, metavar="N",
+                   help="deltas of one output its client has not read before the output stops being scheduled (its "
+                        "KV pages kept); it resumes when the client has read half (64)")
+    h.add_argument("--stalled-stream-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a streamed message the client does not read for this long ends the call RESOURCE_EXHAUSTED "
+                        "and aborts its outputs (30)")
+    h.add_argument("--engine-stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="an engine making no progress this long with work pending is reported NOT_SERVING and its "
+                        "calls end UNAVAILABLE; liveness fails at 3x, or at once if the engine thread dies (60)")
 
 
 def _add_transport_flags(p: argparse.ArgumentParser) -> None:
@@ -124,9 +149,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             sampling_defaults=args.sampling_defaults,
             enable_custom_logit_processor=args.enable_custom_logit_processor,
             cuda_graph_max_batch=args.cuda_graph_max_batch,
+            max_buffered_outputs=args.max_buffered_outputs,
         )
     except ValueError as e:
         _flag_error(e, ModelConfig, CacheConfig, SchedulerConfig, EngineConfig)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server flags as a ServerConfig; a value out of range or an unusable --api-key-file exits 2."""
+    try:
+        keys = ApiKeys.read(args.api_key_file) if args.api_key_file is not None else None
+        return ServerConfig(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
+                            shutdown_grace=args.shutdown_grace, drain_delay=args.drain_delay,
+                            transport=transport_config(args), metrics_port=args.metrics_port,
+                            chat_template=read_chat_template(args.chat_template), api_keys=keys,
+                            stalled_stream_timeout=args.stalled_stream_timeout,
+                            max_queued_per_client=args.max_queued_per_client,
+                            engine_stall_timeout=args.engine_stall_timeout)
+    except ValueError as e:
+        _flag_error(ValueError(str(e).replace("api_key_file", "--api-key-file")), ServerConfig)
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -149,11 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     engine = engine_config(args)
-    server_config = ServerConfig(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
-                                 shutdown_grace=args.shutdown_grace, drain_delay=args.drain_delay,
-                                 transport=transport_config(args), metrics_port=args.metrics_port,
-                                 chat_template=read_chat_template(args.chat_template))
-    asyncio.run(serve(engine, server_config))
+    server = server_config(args)
+    try:
+        asyncio.run(serve(engine, server))
+    except InsufficientMemoryError as e:
+        # Said plainly and at once, rather than loading on until the kernel's OOM killer ends the process unexplained.
+        print(f"lmrpc-server: error: not enough memory: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_NO_MEMORY) from None
 
 
 if __name__ == "__main__":

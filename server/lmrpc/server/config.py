@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from lmrpc.server.auth import ApiKeys
 
 SamplingDefaultsSource = Literal["model", "openai"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -75,10 +78,15 @@ class EngineConfig:
     # CUDA: decode steps of up to this many sequences replay CUDA graphs captured at warm-up; None: up to
     # scheduler.max_running_requests; 0: no graphs. Ignored on CPU.
     cuda_graph_max_batch: int | None = None
+    # Backpressure: deltas of one output its client has not read before the output stops being scheduled (it
+    # resumes when the client has read half of them).
+    max_buffered_outputs: int = 64
 
     def __post_init__(self) -> None:
         if self.sampling_defaults not in ("model", "openai"):
             raise ValueError("sampling_defaults must be 'model' or 'openai'")
+        if not 2 <= self.max_buffered_outputs <= 1_000_000:
+            raise ValueError(f"max_buffered_outputs must be in [2, 1000000], got {self.max_buffered_outputs}")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch must be >= 0")
 
@@ -149,6 +157,15 @@ class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)  # TLS, keepalive, limits
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on host:metrics_port (0: a free one); None: off
     chat_template: str | None = None  # Jinja chat template text (--chat-template FILE); None: the tokenizer's
+    api_keys: ApiKeys | None = None  # --api-key-file's keys (digests only); None: no authentication
+    # Seconds a streamed message may wait for a client that reads nothing before the call ends RESOURCE_EXHAUSTED
+    # and its outputs are aborted (their pages freed).
+    stalled_stream_timeout: float = 30.0
+    # Outputs one client (API key, else peer address) may have waiting while no running slot is free; None: no cap.
+    max_queued_per_client: int | None = None
+    # Seconds the engine may go without coming round its loop, with work pending, before it is declared stuck:
+    # services report NOT_SERVING and calls in flight end UNAVAILABLE (liveness fails at 3x, or when it died).
+    engine_stall_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -159,3 +176,10 @@ class ServerConfig:
             raise ValueError("max_queued_requests must be >= 0")
         if self.shutdown_grace < 0 or self.drain_delay < 0:
             raise ValueError("shutdown_grace and drain_delay must be >= 0")
+        if not 0.1 <= self.stalled_stream_timeout <= 86400:
+            raise ValueError(
+                f"stalled_stream_timeout must be in [0.1, 86400] seconds, got {self.stalled_stream_timeout}")
+        if self.max_queued_per_client is not None and self.max_queued_per_client < 0:
+            raise ValueError(f"max_queued_per_client must be >= 0, got {self.max_queued_per_client}")
+        if not 1 <= self.engine_stall_timeout <= 86400:
+            raise ValueError(f"engine_stall_timeout must be in [1, 86400] seconds, got {self.engine_stall_timeout}")

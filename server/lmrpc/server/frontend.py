@@ -1,24 +1,29 @@
 """What every servicer of the engine shares: the engine once loaded, the drain flag, admission control (outputs in
-flight against the server's limit), request ids, and the observation of a call (metrics, span, request log)."""
+flight against the server's limit, and per client), request ids, the replica's load, and the observation of a call
+(metrics, span, request log; an engine that cannot serve ends it UNAVAILABLE)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import TypeVar
 
 import grpc
 
-from lmrpc.server import validation
+from lmrpc.server import auth, load, memory, validation
 from lmrpc.server.config import EngineConfig, ServerConfig
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.engine import EngineUnavailable
 from lmrpc.server.metrics import Metrics
 from lmrpc.server.protocol import EngineRequest
 from lmrpc.server.telemetry import CallObserver
 
 T = TypeVar("T")
+LOAD_REFRESH = 0.5  # seconds a load reading is reused for ORCA reports (a burst of calls reads it once)
 
 
 class Frontend:
@@ -37,6 +42,11 @@ class Frontend:
         # queues: requests posted to the engine thread are not in its scheduler yet, so a burst would all pass an
         # engine-side check.
         self._outputs_in_flight = 0
+        self._in_flight_by_client: dict[str, int] = {}  # the same, per client identity
+        budget = memory.memory_budget()
+        # What GetLoad reports as the memory limit: the container's, else the host's available memory at start.
+        self.memory_limit = budget.cgroup_limit or budget.host_available or 0
+        self._load: tuple[float, load.Load] | None = None  # (when read, reading) for ORCA reports
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -51,10 +61,13 @@ class Frontend:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
 
     async def check_open(self, context: grpc.aio.ServicerContext) -> None:
-        """Generating calls: the model must be loaded and the server not draining."""
+        """Generating calls: the model must be loaded, the engine serving, and the server not draining."""
         await self.check_loaded(context)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        failure = self.engine.failure
+        if failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, failure)
 
     @staticmethod
     def metadata_rid(context: grpc.aio.ServicerContext) -> str | None:
@@ -68,23 +81,71 @@ class Frontend:
             raise validation.invalid("rid", f"request id {given!r} is already running")
         return given or uuid.uuid4().hex
 
+    def client_of(self, context: grpc.aio.ServicerContext) -> str:
+        """Who is calling: its API key's fingerprint (with --api-key-file), else its peer's address."""
+        return auth.client_identity(context.invocation_metadata(), context.peer() or "", self.server_config.api_keys)
+
+    # ---- admission ---------------------------------------------------------------------------------------------
+
     @asynccontextmanager
-    async def admitted(self, context: grpc.aio.ServicerContext, requests: list[EngineRequest]) -> AsyncIterator[None]:
-        """Count `requests` in flight for the block; over the limit, end the call RESOURCE_EXHAUSTED."""
+    async def admitted(self, context: grpc.aio.ServicerContext, requests: list[EngineRequest],
+                       priority: int = 0) -> AsyncIterator[list[EngineRequest]]:
+        """Count `requests` in flight for the block, as the calling client's, at `priority`; yields them tagged so.
+        Over the server's limit, or over the client's share of the queue, the call ends RESOURCE_EXHAUSTED."""
         limit = self.engine_config.scheduler.max_running_requests + self.server_config.max_queued_requests
         if self._outputs_in_flight + len(requests) > limit:
             await context.abort_with_status(validation.resource_exhausted_status(limit))
+        client = self.client_of(context)
+        await self._check_client_share(context, client, len(requests))
         self._outputs_in_flight += len(requests)
+        self._in_flight_by_client[client] = self._in_flight_by_client.get(client, 0) + len(requests)
         try:
-            yield
+            yield [replace(r, client=client, priority=priority) for r in requests]
         finally:
             self._outputs_in_flight -= len(requests)
+            left = self._in_flight_by_client[client] - len(requests)
+            if left:
+                self._in_flight_by_client[client] = left
+            else:
+                del self._in_flight_by_client[client]
+
+    async def _check_client_share(self, context: grpc.aio.ServicerContext, client: str, new: int) -> None:
+        """--max-queued-per-client: a client's outputs that would wait (admitted and not running) are capped, once
+        the server has no free running slot for them, so one caller cannot fill the queue for everyone."""
+        cap = self.server_config.max_queued_per_client
+        if cap is None:
+            return
+        running = self.engine.running_by_client.get(client, 0)
+        queued = self._in_flight_by_client.get(client, 0) + new - running
+        contended = self._outputs_in_flight + new > self.engine_config.scheduler.max_running_requests
+        if queued > cap and contended:
+            await context.abort_with_status(validation.client_share_exhausted_status(cap, queued - new))
+
+    # ---- load --------------------------------------------------------------------------------------------------
+
+    def load(self) -> load.Load:
+        engine = self.engine
+        reading = load.read_load(engine.stats(), engine.load_tracker, memory.resident_bytes(), self.memory_limit,
+                                 self.engine_config.scheduler.max_running_requests)
+        self._load = (time.monotonic(), reading)
+        return reading
+
+    def report_load(self, context: grpc.aio.ServicerContext) -> None:
+        """Set the call's ORCA load report (trailing metadata); called as a call starts and as it ends."""
+        if self._engine is None:
+            return
+        cached = self._load
+        reading = cached[1] if cached is not None and time.monotonic() - cached[0] < LOAD_REFRESH else self.load()
+        context.set_trailing_metadata(((load.ORCA_TRAILER, load.orca_report(reading)),))
+
+    # ---- streaming calls ---------------------------------------------------------------------------------------
 
     @staticmethod
     async def observed(
         context: grpc.aio.ServicerContext, call: CallObserver, messages: AsyncGenerator[T, None]
     ) -> AsyncIterator[T]:
-        """`messages`, with the call's final status reported to `call` however the call ends."""
+        """`messages`, with the call's final status reported to `call` however the call ends; an engine that
+        cannot serve ends the call UNAVAILABLE. (A client that stops reading is wire.py's: it sets the code first.)"""
         # Metrics, the call's span and the request log see every way a call ends, so the status is decided here.
         status = grpc.StatusCode.UNKNOWN  # an unexpected exception: grpc answers UNKNOWN
         try:
@@ -92,10 +153,13 @@ class Frontend:
                 async for msg in messages:
                     yield msg
             status = grpc.StatusCode.OK
+        except EngineUnavailable as exc:
+            status = grpc.StatusCode.UNAVAILABLE
+            await context.abort(status, str(exc))
         except (asyncio.CancelledError, GeneratorExit):
             remaining = context.time_remaining()
             passed = remaining is not None and remaining <= 0
             status = grpc.StatusCode.DEADLINE_EXCEEDED if passed else grpc.StatusCode.CANCELLED
             raise
         finally:
-            call.end(context.code() or status)  # code() is set by abort / abort_with_status
+            call.end(context.code() or status)  # code() is set by abort / abort_with_status / wire.py

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
@@ -119,20 +119,23 @@ class _EngineCollector:
         stats = self.stats() if self.stats is not None else None
         with self._counts.lock:
             prompt, cached = self._counts.prompt, self._counts.cached
-        running, waiting, kv, prefix = self._families()
+        running, waiting, paused, kv, prefix = self._families()
         if stats is not None:
             running.add_metric([], stats.num_running)
             waiting.add_metric([], stats.num_waiting)
+            paused.add_metric([], stats.num_paused)
             # Pages held by live sequences, not cached-only ones: the prefix cache keeps pages after a request
             # ends (they are evictable, so free for admission), and counting them would never return to 0.
             kv.add_metric([], stats.num_used_pages / stats.num_pages if stats.num_pages else 0.0)
         prefix.add_metric([], cached / prompt if prompt else 0.0)
-        return [running, waiting, kv, prefix] if stats is not None else [prefix]
+        return [running, waiting, paused, kv, prefix] if stats is not None else [prefix]
 
     @staticmethod
     def _families() -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Outputs holding KV pages (prefilling or decoding).")
         yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Outputs queued for admission (incl. preempted).")
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_paused",
+                                "Outputs not scheduled because their client is not reading them (backpressure).")
         yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_ratio",
                                 "Share of KV-cache pages held by live outputs (cached-only pages count as free).")
         yield GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_ratio",
@@ -163,6 +166,9 @@ class Metrics:
         self._counts = _PromptCounts()
         self._engine = _EngineCollector(self._counts)
         r.register(self._engine)
+        # process_resident_memory_bytes (and CPU seconds, open fds, ...) under their standard names, so memory growth
+        # is visible next to the load.
+        ProcessCollector(registry=r)
 
     def attach(self, stats: StatsSource) -> None:
         """Read engine load from `stats` at every scrape (called once the engine is up)."""

@@ -108,6 +108,8 @@ class EngineRequest:
     params: SamplingParams  # resolved sampling parameters
     logprobs: LogprobOptions | None = None  # None: no logprobs
     share_prefill_with: str | None = None  # request_id of sample 0 whose prompt pages samples 1..n-1 reuse
+    priority: int = 0  # lower is admitted first among waiting outputs; ties in arrival order
+    client: str = ""  # who asked (an API key's fingerprint, or the peer's address): per-client accounting
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,7 @@ class EngineStats:
     num_free_pages: int  # pages not referenced by a live sequence (free or evictable prefix cache)
     num_used_pages: int  # pages referenced by live sequences
     num_cached_pages: int  # pages held only by the prefix cache
+    num_paused: int = 0  # outputs not scheduled because their client has not read what they produced
 
 
 class EngineClient(Protocol):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from lmrpc.server import validation
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, TokenLogprob
 from lmrpc.server.telemetry import CallObserver
@@ -140,9 +140,10 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         except validation.RequestError as exc:
             await context.abort_with_status(validation.to_status(exc))
             return
-        async with self.frontend.admitted(context, engine_requests):
-            call.queued(engine_requests)
-            async for msg in self._stream(request, engine_requests, default_rid, context, call):
+        priority = request.priority if request.HasField("priority") else 0
+        async with self.frontend.admitted(context, engine_requests, priority) as admitted:
+            call.queued(admitted)
+            async for msg in self._stream(request, admitted, default_rid, context, call):
                 yield msg
 
     async def _stream(
@@ -185,6 +186,20 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         await self.frontend.check_loaded(context)
         found = self.engine.abort(None if request.abort_all else list(request.rid))
         return generate_pb2.AbortResponse(aborted_rid=found)
+
+    async def GetLoad(
+        self, request: generate_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.GetLoadResponse:
+        await self.frontend.check_loaded(context)
+        load = self.frontend.load()
+        return generate_pb2.GetLoadResponse(
+            running_outputs=load.running, waiting_outputs=load.waiting, paused_outputs=load.paused,
+            kv_cache_usage=load.kv_usage, kv_cache_pages=load.num_pages, kv_cache_used_pages=load.used_pages,
+            generation_tokens_per_second=load.generation_tokens_per_second,
+            prompt_tokens_per_second=load.prompt_tokens_per_second, queue_time_p50_seconds=load.queue_time_p50,
+            resident_memory_bytes=load.resident_bytes, memory_limit_bytes=load.memory_limit_bytes,
+            max_running_outputs=load.max_running,
+        )
 
     async def GetModelInfo(
         self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -73,6 +73,19 @@ def resource_exhausted_status(limit: int) -> grpc.Status:
         details=[detail]))
 
 
+def client_share_exhausted_status(cap: int, queued: int) -> grpc.Status:
+    """This client has its share of the queue (--max-queued-per-client): RESOURCE_EXHAUSTED with RetryInfo."""
+    from grpc_status import rpc_status
+
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=1)))
+    return rpc_status.to_status(status_pb2.Status(
+        code=code_pb2.RESOURCE_EXHAUSTED,
+        message=f"this client has {queued} outputs queued and may queue at most {cap} while the server is busy "
+                "(--max-queued-per-client)",
+        details=[detail]))
+
+
 class Collector:
     """Gathers the violations of one request, so that the caller hears of all of them at once."""
 

@@ -1,9 +1,10 @@
 // Checks the lmrpc gRPC contract from Node.js: the proto files straight from proto/, @grpc/grpc-js on the wire.
 //
-//   node client_test.mjs HOST:PORT [--googleapis DIR]
+//   node client_test.mjs HOST:PORT [--googleapis DIR] [--api-key KEY]
 //
 // DIR holds google/rpc/status.proto and google/rpc/error_details.proto (the Python package
-// googleapis-common-protos ships them in site-packages); without it the repo's .venv is searched.
+// googleapis-common-protos ships them in site-packages); without it the repo's .venv is searched. With --api-key every call carries `authorization: Bearer KEY`, and the
+// "auth" check shows a call without it is UNAUTHENTICATED while health answers without one.
 // Prints a JSON summary on stdout; exits 1 if any check failed (each failure explained on stderr).
 
 import fs from "node:fs";
@@ -20,13 +21,14 @@ const PROTO_ROOT = path.join(REPO, "proto");
 const DEADLINE_MS = 120_000;
 
 function parseArgs(argv) {
-  const args = { target: "", googleapis: "" };
+  const args = { target: "", googleapis: "", apiKey: "" };
   for (let i = 0; i < argv.length; i++) {
     if (argv[i] === "--googleapis") args.googleapis = argv[++i] ?? "";
+    else if (argv[i] === "--api-key") args.apiKey = argv[++i] ?? "";
     else if (!args.target) args.target = argv[i];
     else throw new Error(`unexpected argument ${argv[i]}`);
   }
-  if (!args.target) throw new Error("usage: node client_test.mjs HOST:PORT [--googleapis DIR]");
+  if (!args.target) throw new Error("usage: node client_test.mjs HOST:PORT [--googleapis DIR] [--api-key KEY]");
   return args;
 }
 
@@ -45,15 +47,27 @@ function findGoogleapis(given) {
     + "pass --googleapis DIR");
 }
 
-function loadServices(target) {
+// Adds `authorization: Bearer KEY` to every call of a client (an insecure channel takes no call credentials).
+function withApiKey(key) {
+  return (options, nextCall) => new grpc.InterceptingCall(nextCall(options), {
+    start(metadata, listener, next) {
+      metadata.set("authorization", `Bearer ${key}`);
+      next(metadata, listener);
+    },
+  });
+}
+
+function loadServices(target, apiKey) {
   const definition = protoLoader.loadSync(["lmrpc/v1/generate.proto", "lmrpc/v1/openai.proto"], {
     keepCase: true, longs: String, enums: String, defaults: true, oneofs: true, includeDirs: [PROTO_ROOT],
   });
   const lmrpc = grpc.loadPackageDefinition(definition).lmrpc.v1;
   const credentials = grpc.credentials.createInsecure();
+  const options = apiKey ? { interceptors: [withApiKey(apiKey)] } : {};
   return {
-    generate: new lmrpc.GenerateService(target, credentials),
-    openai: new lmrpc.OpenAIService(target, credentials),
+    generate: new lmrpc.GenerateService(target, credentials, options),
+    openai: new lmrpc.OpenAIService(target, credentials, options),
+    keyless: new lmrpc.GenerateService(target, credentials),
   };
 }
 
@@ -63,6 +77,20 @@ function loadRpcTypes(googleapis) {
   root.resolvePath = (_origin, target) => (path.isAbsolute(target) ? target : path.join(googleapis, target));
   root.loadSync(["google/rpc/status.proto", "google/rpc/error_details.proto"], { keepCase: true });
   return { Status: root.lookupType("google.rpc.Status"), root };
+}
+
+// grpc.health.v1.Health/Check for the whole server (service ""), on the wire by hand: the request is empty, and the
+// reply's field 1 (varint) is the status (1 SERVING, 2 NOT_SERVING).
+function healthCheck(target) {
+  const client = new grpc.Client(target, grpc.credentials.createInsecure());
+  return new Promise((resolve, reject) => {
+    client.makeUnaryRequest("/grpc.health.v1.Health/Check", () => Buffer.alloc(0), (buf) => buf, {},
+      new grpc.Metadata(), { deadline: deadline() }, (err, reply) => {
+        client.close();
+        if (err) reject(err);
+        else resolve(reply.length >= 2 && reply[0] === 0x08 ? ["UNKNOWN", "SERVING", "NOT_SERVING"][reply[1]] : "UNKNOWN");
+      });
+  });
 }
 
 const deadline = () => new Date(Date.now() + DEADLINE_MS);
@@ -234,14 +262,44 @@ async function checkInvalidRequest(client, { Status, root }, method, request, fi
   };
 }
 
+// (f) With --api-key: a call without the key is UNAUTHENTICATED, health answers without one, and with the key
+// GetLoad answers, its trailers carrying the ORCA load report (endpoint-load-metrics-bin, raw: grpc-js hands every
+// trailer to the application, where gRPC's C-core consumes this one for load balancing).
+async function checkAuth(client, keyless, target) {
+  const denied = await new Promise((resolve) => {
+    keyless.GetModelInfo({}, { deadline: deadline() }, (err) => resolve(err));
+  });
+  check(denied !== null && denied.code === grpc.status.UNAUTHENTICATED,
+    `a call without the key: ${denied ? grpc.status[denied.code] : "answered"}`);
+  const streamDenied = await failure(keyless, "Generate", { text: ["hi"] });
+  check(streamDenied !== null && streamDenied.code === grpc.status.UNAUTHENTICATED, "Generate without the key");
+  const health = await healthCheck(target);
+  const { load, trailer } = await new Promise((resolve, reject) => {
+    let reply = null;
+    const call = client.GetLoad({}, { deadline: deadline() }, (err, r) => { if (err) reject(err); else reply = r; });
+    call.on("status", (status) => {
+      const [raw] = status.metadata.get("endpoint-load-metrics-bin");
+      resolve({ load: reply, trailer: raw });
+    });
+  });
+  check(Buffer.isBuffer(trailer) && trailer.length > 0, "no endpoint-load-metrics-bin trailer");
+  return {
+    unauthenticated: grpc.status[denied.code], unauthenticated_message: denied.details,
+    stream_unauthenticated: grpc.status[streamDenied.code], health_without_key: health,
+    load: { kv_cache_pages: load.kv_cache_pages, max_running_outputs: load.max_running_outputs },
+    orca_report_hex: trailer.toString("hex"),
+  };
+}
+
 async function main() {
   const args = parseArgs(process.argv.slice(2));
   const rpcTypes = loadRpcTypes(findGoogleapis(args.googleapis));
-  const { generate: client, openai } = loadServices(args.target);
+  const { generate: client, openai, keyless } = loadServices(args.target, args.apiKey);
   const summary = { target: args.target, ok: true, failures: [] };
   const checks = [["stream", () => checkStream(client)], ["cancel", () => checkCancel(client)],
     ["invalid_argument", () => checkInvalid(client, rpcTypes)], ["complete", () => checkComplete(openai)],
     ["chat", () => checkChat(openai, rpcTypes)]];
+  if (args.apiKey) checks.push(["auth", () => checkAuth(client, keyless, args.target)]);
   for (const [name, run] of checks) {
     try {
       summary[name] = await run();
@@ -255,6 +313,7 @@ async function main() {
   }
   client.close();
   openai.close();
+  keyless.close();
   console.log(JSON.stringify(summary, null, 2));
   process.exitCode = summary.ok ? 0 : 1;
 }

@@ -1,4 +1,5 @@
-"""The engine: one loop that owns the model, run on its own thread, and its asyncio front (AsyncEngine).
+"""The engine: one loop that owns the model, run on its own thread (its asyncio front, AsyncEngine, is in
+async_engine.py).
 
 Life of a request inside: `AsyncEngine.generate` posts `EngineRequest`s to the engine thread's inbox; the loop
 admits them into the scheduler; each `step()` schedules a batch, runs the model, samples, updates each sequence
@@ -9,15 +10,10 @@ so a cancelled request's pages are free before the model runs again.
 
 from __future__ import annotations
 
-import asyncio
-import gc
-import itertools
 import logging
 import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from lmrpc.server.config import EngineConfig
@@ -25,11 +21,13 @@ from lmrpc.server.engine.detokenizer import OutputProcessor, decode_token
 from lmrpc.server.engine.executor import ForwardOutput, ModelExecutor, PromptLogits
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
 from lmrpc.server.engine.kv_cache import KVCacheManager
+from lmrpc.server.engine.live import Command, LiveRequest, OutputFlow, Sink, _Abort, _Add, _Stop
 from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
-from lmrpc.server.logit_processors import LogitProcessor, ProcessorRegistry
-from lmrpc.server.models.loader import LoadedModel, load_model
+from lmrpc.server.load import LoadTracker
+from lmrpc.server.logit_processors import ProcessorRegistry
+from lmrpc.server.models.loader import LoadedModel
 from lmrpc.server.protocol import (
     Constraint,
     EngineOutput,
@@ -45,64 +43,16 @@ from lmrpc.server.protocol import (
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-Sink = Callable[[EngineOutput], None]  # thread-safe: delivers one output to the request's consumer
+# The loop wakes this often when idle, so its heartbeat stays fresh: a stale heartbeat means a step that has not
+# returned (the watchdog's signal), never an idle engine.
+IDLE_TICK = 0.25
 
 
-@dataclass(eq=False)
-class LiveRequest:
-    """Everything the loop keeps for one sequence besides the scheduler's bookkeeping."""
-
-    seq: Sequence  # scheduler-visible state (tokens, pages)
-    sink: Sink  # where this request's outputs go
-    sampling: SamplingState  # penalties' counts, seed
-    output: OutputProcessor  # incremental text + stop rules
-    grammar: GrammarMatcher | None  # structured-output state, if constrained
-    processor: LogitProcessor | None  # custom logit processor bound to its params, if any
-    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # gathered across prefill chunks
-    prompt_logprobs_sent: bool = False  # sent with the first output (never again, e.g. after preemption)
-    pending_tokens: list[int] = field(default_factory=list)  # sampled since the last emit
-    pending_logprobs: list[PositionLogprobs] = field(default_factory=list)  # their logprobs
-    pending_text: list[str] = field(default_factory=list)  # their text pieces
-    # time.monotonic() when a step first computed this sequence (its admission; kept across preemption): the end
-    # of its queue time, which the service can't see from outside the engine thread
-    scheduled_at: float | None = None
-
-    @property
-    def request(self) -> EngineRequest:
-        return self.seq.request
-
-    @property
-    def lazy_grammar(self) -> bool:
-        """Constrained, greedy, without logprobs or a custom processor: its token is the argmax of the unmasked
-        logits whenever the grammar allows that argmax (masking only removes tokens), so its mask is filled only
-        when the grammar rejects the unmasked choice (most steps need none)."""
-        params = self.request.params
-        return (self.grammar is not None and params.greedy and self.request.logprobs is None
-                and self.processor is None)
-
-
-@dataclass(frozen=True)
-class _Add:
-    request: EngineRequest  # what to run
-    sink: Sink  # where its outputs go
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str  # whose request
-    reason: str  # message carried by the ABORT finish
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Stop
+class EngineUnavailable(Exception):
+    """The engine cannot serve (its thread died or is stuck): calls end UNAVAILABLE with this message."""
 
 
 class Engine:
@@ -125,8 +75,21 @@ class Engine:
         self.grammar = grammar
         self._eos = frozenset(self.info.eos_token_ids)
         self._live: dict[str, LiveRequest] = {}
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.masks = MaskFiller(grammar)  # grammar bitmasks, filled while the model runs
+        self.max_buffered_outputs = config.max_buffered_outputs  # backpressure bound per output
+        self.load = LoadTracker()  # tokens/s and queue times for GetLoad and ORCA reports
+        # Read by the watchdog from the event loop: when the loop last came round (time.monotonic()), and what killed
+        # the thread, if something did.
+        self.heartbeat = time.monotonic()
+        self.died: BaseException | None = None
+        # Live outputs per client among the running ones (admission's per-client cap reads it); replaced, never
+        # mutated, so another thread reads a consistent dict.
+        self.running_by_client: dict[str, int] = {}
+        # Test hook (no flag sets it): called with each step's batch before the forward, so a test can make a step
+        # fail or hang.
+        self.step_hook: Callable[[ScheduledBatch], None] | None = None
+        self._step_lives: list[LiveRequest] | None = None  # the requests of the step being run
 
     @property
     def kv(self) -> KVCacheManager:
@@ -134,7 +97,7 @@ class Engine:
 
     # ---- commands (any thread) -------------------------------------------------------------------------------
 
-    def submit(self, command: _Command) -> None:
+    def submit(self, command: Command) -> None:
         self._inbox.put(command)
 
     # ---- the loop (engine thread) ----------------------------------------------------------------------------
@@ -142,16 +105,29 @@ class Engine:
     def run_forever(self) -> None:
         try:
             while True:
-                if not self._drain_inbox(block=not self.scheduler.has_work):
+                self.heartbeat = time.monotonic()
+                self.running_by_client = _count_clients(self.scheduler.running)
+                self._apply_backpressure()
+                if not self._drain_inbox(block=not self.scheduler.has_runnable_work):
                     return
-                if self.scheduler.has_work:
+                if self.scheduler.has_runnable_work:
                     self._guarded_step()
+        except BaseException as exc:
+            # Not swallowed: the thread ends. The watchdog sees it and fails the calls in flight.
+            self.died = exc
+            logger.critical("the engine thread died: %r", exc, exc_info=exc)
+            raise
         finally:
             self.masks.shutdown()
 
     def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued commands; block for the first one when idle. False once told to stop."""
-        command: _Command | None = self._inbox.get() if block else None
+        """Apply queued commands; when idle, wait a tick for the first one. False once told to stop."""
+        command: Command | None = None
+        if block:
+            try:
+                command = self._inbox.get(timeout=IDLE_TICK)
+            except queue.Empty:
+                return True
         while True:
             if command is None:
                 try:
@@ -162,26 +138,52 @@ class Engine:
                 self._abort_all("server shutting down")
                 return False
             if isinstance(command, _Add):
-                self.add(command.request, command.sink)
-            else:
+                self.add(command.request, command.sink, command.flow, command.submitted_at)
+            elif isinstance(command, _Abort):
                 self.abort(command.request_id, command.reason)
-            command = None
+            command = None  # a _Wake only ends the wait
+
+    def _apply_backpressure(self) -> None:
+        """Pause outputs whose consumer holds `max_buffered_outputs` deltas it has not taken; resume them at half."""
+        bound = self.max_buffered_outputs
+        for live in self._live.values():
+            flow = live.flow
+            if flow is None:
+                continue
+            seq = live.seq
+            if not seq.paused and flow.backlog >= bound:
+                seq.paused = flow.paused = True
+                # The consumer may have caught up between the read above and `paused` turning true, and then seen
+                # no reason to wake us: read again now that it will.
+                if flow.backlog <= bound // 2:
+                    seq.paused = flow.paused = False
+            elif seq.paused and flow.backlog <= bound // 2:
+                seq.paused = flow.paused = False
 
     def _guarded_step(self) -> None:
-        # An unexpected failure inside a step must not kill the thread that serves every request: fail the
-        # requests in flight (they see ERROR with the message), log it with the stack, and keep serving.
+        # An unexpected failure inside a step must not kill the thread that serves every request: fail the requests
+        # of that step (they see ERROR with the message; their state is half-updated), log it with the stack, and
+        # keep serving the others. A failure before the step had a batch leaves the scheduler suspect: fail all.
+        self._step_lives = None
         try:
             self.step()
         except Exception as exc:  # logged with its stack and reported to every affected request
-            logger.exception("engine step failed; failing %d live requests", len(self._live))
-            for live in list(self._live.values()):
-                self._finish(live, Finish(FinishReason.ERROR, message=f"engine step failed: {exc!r}"))
+            lives = self._step_lives if self._step_lives is not None else list(self._live.values())
+            logger.exception("engine step failed; failing the %d requests of that step", len(lives))
+            for live in lives:
+                if self._live.get(live.request.request_id) is live:
+                    self._finish(live, Finish(FinishReason.ERROR, message=f"engine step failed: {exc!r}"))
+        finally:
+            self._step_lives = None
 
     def step(self) -> None:
         """One iteration: schedule, forward (grammar masks fill meanwhile), sample, update, emit."""
         batch = self.scheduler.schedule()
         if batch.empty:
             return
+        self._step_lives = [self._live[c.seq.request_id] for c in batch.chunks]
+        if self.step_hook is not None:
+            self.step_hook(batch)
         self._stamp_scheduled(batch)
         sampling = self._sampling_lives(batch)
         pending = self.masks.start([None if live.lazy_grammar else live.grammar for live in sampling])
@@ -195,6 +197,9 @@ class Engine:
         for live, result in zip(sampling, results, strict=True):
             self._update(live, result)
         self._emit(sampling)
+        # Everything but decodes (one token past the prompt) is prompt work: prefill chunks, recomputes.
+        prompt_tokens = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1 or c.start < c.seq.num_prompt_tokens)
+        self.load.add_tokens(sum(1 for r in results if r is not None), prompt_tokens)
 
     def _stamp_scheduled(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
@@ -202,10 +207,13 @@ class Engine:
             live = self._live[chunk.seq.request_id]
             if live.scheduled_at is None:
                 live.scheduled_at = now
+                if live.submitted_at is not None:
+                    self.load.add_queue_time(now - live.submitted_at, now)
 
     # ---- admission and abort ---------------------------------------------------------------------------------
 
-    def add(self, request: EngineRequest, sink: Sink) -> None:
+    def add(self, request: EngineRequest, sink: Sink, flow: OutputFlow | None = None,
+            submitted_at: float | None = None) -> None:
         assert request.request_id not in self._live, f"duplicate request id {request.request_id}"
         params = request.params
         seq = Sequence(request)
@@ -225,6 +233,8 @@ class Engine:
                 self.processors.create(params.logit_processor, dict(params.processor_params))
                 if params.logit_processor else None
             ),
+            flow=flow,
+            submitted_at=submitted_at,
         )
         wants_prompt_logprobs = request.logprobs is not None and request.logprobs.start_len >= 0
         if params.max_new_tokens == 0 and not wants_prompt_logprobs:
@@ -398,7 +408,16 @@ class Engine:
             num_free_pages=kv.num_free_pages,
             num_used_pages=kv.num_used_pages,
             num_cached_pages=kv.num_cached_pages,
+            num_paused=self.scheduler.num_paused,
         )
+
+
+def _count_clients(running: Iterable[Sequence]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for seq in running:
+        client = seq.request.client
+        counts[client] = counts.get(client, 0) + 1
+    return counts
 
 
 def _usage(seq: Sequence) -> Usage:
@@ -409,123 +428,10 @@ def _final(request: EngineRequest, finish: Finish, seq: Sequence) -> EngineOutpu
     return EngineOutput(request.request_id, finish=finish, usage=_usage(seq))
 
 
-class AsyncEngine:
-    """The asyncio face of the engine: implements protocol.EngineClient; the loop runs on a daemon thread."""
+def __getattr__(name: str) -> object:
+    # AsyncEngine moved to async_engine.py; scripts that still import it from here get it.
+    if name == "AsyncEngine":
+        from lmrpc.server.engine.async_engine import AsyncEngine
 
-    def __init__(self, engine: Engine, thread: threading.Thread) -> None:
-        self._engine = engine
-        self._thread = thread  # runs engine.run_forever
-        self.model_info: ModelInfo = engine.info
-        self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
-        self.processors = engine.processors
-        self.grammar = engine.grammar
-        self._ids_by_rid: dict[str, set[str]] = {}  # event-loop side: live request ids per user rid
-        self._serial = itertools.count()
-
-    @classmethod
-    def start(cls, config: EngineConfig) -> AsyncEngine:
-        """Start the engine thread, which loads the model and then loops; return once it is loaded (blocking: call
-        it off the event loop). A load failure is raised here.
-
-        The model is loaded on the engine thread, not here, so that one thread does all of torch's work: torch's
-        CPU kernels run on an OpenMP pool owned by the thread that calls them, and a second pool left by another
-        thread contends for the same cores (measured on 2 cores: one pass over SmolLM2's layer matrices took
-        about 1.3x longer on a second torch thread than on the only one).
-        """
-        built: queue.SimpleQueue[Engine | BaseException] = queue.SimpleQueue()
-
-        def main() -> None:
-            try:
-                loaded = load_model(config.model)
-                engine = Engine(loaded, config, ProcessorRegistry.load(),
-                                GrammarBackend(loaded.tokenizer, loaded.info.vocab_size))
-            except BaseException as exc:  # noqa: BLE001 (not swallowed: start() raises it in the caller)
-                built.put(exc)
-                return
-            # Everything loaded so far (model, tokenizer, grammar tables) lives until exit: move it out of the cyclic
-            # garbage collector's sight, which otherwise walks it in every full collection (measured here: about a
-            # tenth of a decode step's time).
-            gc.freeze()
-            built.put(engine)
-            engine.run_forever()
-
-        thread = threading.Thread(target=main, name="lmrpc-engine", daemon=True)
-        thread.start()
-        result = built.get()
-        if isinstance(result, BaseException):
-            raise result
-        return cls(result, thread)
-
-    @property
-    def engine(self) -> Engine:
-        """The engine itself (tests read its page pool)."""
-        return self._engine
-
-    def check_constraint(self, constraint: Constraint) -> str | None:
-        """None if the constraint compiles, else the error message (kind and compiler's message)."""
-        return self.grammar.check(constraint)
-
-    def warmup(self) -> None:
-        """Run one tiny generation so the first real request doesn't pay one-time costs (blocking)."""
-        from lmrpc.server.protocol import SamplingParams
-
-        done = threading.Event()
-        request = EngineRequest(
-            request_id=f"warmup-{next(self._serial)}", rid="warmup", index=0,
-            prompt_ids=tuple(self.tokenizer.encode("Hello")) or (0,),
-            params=SamplingParams(max_new_tokens=2, temperature=0.0),
-        )
-
-        def sink(output: EngineOutput) -> None:
-            if output.finish is not None:
-                done.set()
-
-        self._engine.submit(_Add(request, sink))
-        if not done.wait(timeout=300):
-            raise TimeoutError("engine warm-up did not finish in 300 s")
-
-    async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[EngineOutput]:
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[EngineOutput] = asyncio.Queue()
-
-        def sink(output: EngineOutput) -> None:  # engine thread
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
-
-        remaining = {r.request_id for r in requests}
-        for r in requests:
-            self._ids_by_rid.setdefault(r.rid, set()).add(r.request_id)
-        try:
-            for r in requests:
-                self._engine.submit(_Add(r, sink))
-            while remaining:
-                output = await outputs.get()
-                if output.finish is not None:
-                    remaining.discard(output.request_id)
-                yield output
-        finally:
-            # Closed early (cancelled call, passed deadline, client gone): free the rest at once.
-            for request_id in remaining:
-                self._engine.submit(_Abort(request_id, "cancelled"))
-            for r in requests:
-                ids = self._ids_by_rid.get(r.rid)
-                if ids is not None:
-                    ids.discard(r.request_id)
-                    if not ids:
-                        del self._ids_by_rid[r.rid]
-
-    def abort(self, rids: list[str] | None) -> list[str]:
-        targets = list(self._ids_by_rid) if rids is None else [rid for rid in rids if rid in self._ids_by_rid]
-        for rid in targets:
-            for request_id in self._ids_by_rid[rid]:
-                self._engine.submit(_Abort(request_id, "aborted by request"))
-        return targets
-
-    def is_live(self, rid: str) -> bool:
-        return rid in self._ids_by_rid
-
-    def stats(self) -> EngineStats:
-        return self._engine.stats()
-
-    def shutdown(self) -> None:
-        self._engine.submit(_Stop())
-        self._thread.join(timeout=30)
+        return AsyncEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,7 @@ import torch
 from lmrpc.kernels.attention import PagedTorchAttention
 from lmrpc.kernels.flashinfer_attention import FlashInferAttention
 from lmrpc.kernels.paged import ChunkSpec
+from lmrpc.server import memory
 from lmrpc.server.config import EngineConfig
 from lmrpc.server.engine.cuda_graphs import CudaGraphRunner, default_buckets
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, Sequence
@@ -19,8 +20,6 @@ from lmrpc.server.models import ForwardContext
 from lmrpc.server.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
-
-MAX_AUTO_PAGES_TOKENS = 1 << 18  # cap of an automatically sized pool, in tokens
 
 
 @dataclass(frozen=True)
@@ -38,14 +37,6 @@ class ForwardOutput:
     prompt_logits: tuple[PromptLogits, ...]  # for chunks of sequences asking for prompt logprobs
 
 
-def _host_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
-
-
 class ModelExecutor:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         cache = config.cache
@@ -54,13 +45,13 @@ class ModelExecutor:
         self.vocab_size = loaded.info.vocab_size
         self.page_size = cache.page_size
         bytes_per_token = self.model.kv_bytes_per_token
-        if cache.num_tokens is not None:
-            tokens = cache.num_tokens
-        else:
-            free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
-                    else _host_available_bytes())
-            tokens = min(int(free * cache.memory_fraction) // bytes_per_token, MAX_AUTO_PAGES_TOKENS)
-        pages = max(1, tokens // self.page_size)
+        # Sized from the tighter of host memory and the cgroup limit, after the model (memory.py).
+        device_free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        pool = memory.kv_pool_tokens(cache.num_tokens, cache.memory_fraction, bytes_per_token,
+                                     memory.memory_budget(), device_free)
+        logger.info("KV cache: %d tokens (%.2f GiB), from %s", pool.tokens,
+                    pool.tokens * bytes_per_token / (1 << 30), pool.reason)
+        pages = max(1, pool.tokens // self.page_size)
         graphs = self._graph_batch(config)
         # With CUDA graphs, one more page: the scratch page padding rows write to, never handed to a sequence.
         self.attention = self.model.make_attention(pages + (1 if graphs else 0), self.page_size)  # the KV cache

@@ -1,9 +1,13 @@
 """Continuous batching: which tokens of which sequences the next step computes. Pure Python (no torch).
 
-Each step: every running decode gets one token; then prefills (running ones first, then waiting ones in FCFS
-order) get chunks under the token budget, so a long prompt never stalls decodes. Admission is bounded by
-max_running_requests and free pages. When a decode can't get a page, the newest running sequence is preempted:
-its pages are released and it is recomputed later from its tokens (prompt + output so far).
+Each step: every running decode gets one token; then prefills (running ones first, then waiting ones by priority,
+lower first, ties in arrival order) get chunks under the token budget, so a long prompt never stalls decodes.
+Admission is bounded by max_running_requests and free pages. When a decode can't get a page, a running sequence is
+preempted: a paused one first (see below), else the lowest-priority, newest one; its pages are released and it is
+recomputed later from its tokens (prompt + output so far).
+
+A paused sequence (backpressure: its client is not reading its outputs) is neither decoded nor admitted; it keeps
+its pages until it resumes, unless another sequence needs them.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.running: list[Sequence] = []  # holds pages; kept in arrival order
-        self.waiting: list[Sequence] = []  # no pages; kept in arrival order
+        self.waiting: list[Sequence] = []  # no pages; kept in (priority, arrival) order
 
     @property
     def num_running(self) -> int:
@@ -34,6 +38,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    @property
+    def has_runnable_work(self) -> bool:
+        """Some sequence could be scheduled (paused ones wait for their client, not for a step)."""
+        return any(not s.paused for s in self.running) or any(not s.paused for s in self.waiting)
+
+    @property
+    def num_paused(self) -> int:
+        return sum(1 for s in self.running if s.paused) + sum(1 for s in self.waiting if s.paused)
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         return num_tokens <= self.kv.num_pages * self.kv.page_size
 
@@ -42,8 +55,15 @@ class Scheduler:
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
-        at = next((i for i, s in enumerate(self.waiting) if s.arrival > seq.arrival), len(self.waiting))
+        key = (seq.priority, seq.arrival)
+        at = next((i for i, s in enumerate(self.waiting) if (s.priority, s.arrival) > key), len(self.waiting))
         self.waiting.insert(at, seq)
+
+    @staticmethod
+    def _victim(candidates: list[Sequence]) -> Sequence:
+        """Whom to preempt: a paused sequence first (it is not using its pages), then the lowest priority (the highest
+        number), then the newest."""
+        return max(candidates, key=lambda s: (s.paused, s.priority, s.arrival))
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -72,13 +92,22 @@ class Scheduler:
         budget = self._schedule_decodes(chunks, preempted, budget)
         budget = self._schedule_running_prefills(chunks, budget)
         self._admit_waiting(chunks, budget)
-        if not chunks and len(self.running) > 1:
-            # Partially prefilled sequences hold every page and none can advance: free the newest.
-            victim = self.running[-1]
+        victim = self._deadlock_victim() if not chunks else None
+        if victim is not None:
             self._preempt(victim)
             preempted.append(victim)
             return ScheduledBatch((), tuple(preempted)) if not self.running else self._retry(preempted)
         return ScheduledBatch(tuple(chunks), tuple(preempted))
+
+    def _deadlock_victim(self) -> Sequence | None:
+        """Nothing could be scheduled: whom to preempt so that something can, or None when waiting is right."""
+        paused = [s for s in self.running if s.paused]
+        active = [s for s in self.running if not s.paused]
+        if paused and (active or any(not s.paused for s in self.waiting)):
+            return self._victim(paused)  # a stalled client's pages are needed by a live one
+        if len(active) > 1:
+            return self._victim(active)  # partially prefilled sequences hold every page and none can advance
+        return None
 
     def _retry(self, preempted: list[Sequence]) -> ScheduledBatch:
         batch = self._schedule()
@@ -87,10 +116,10 @@ class Scheduler:
     def _schedule_decodes(self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int) -> int:
         scheduled: set[Sequence] = set()
         for seq in list(self.running):
-            if budget <= 0 or seq.status is not SeqStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            if budget <= 0 or seq.status is not SeqStatus.RUNNING or seq.num_uncomputed_tokens != 1 or seq.paused:
                 continue
             while not self.kv.can_allocate(seq, 1):
-                victim = next(s for s in reversed(self.running) if s not in scheduled)
+                victim = self._victim([s for s in self.running if s not in scheduled])
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -111,7 +140,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if not seq.in_prefill:
+            if not seq.in_prefill or seq.paused:
                 continue
             n = self._chunk_size(seq, budget)
             if n == 0:
@@ -131,7 +160,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 return
-            if self._blocked_on_sibling(seq):
+            if self._blocked_on_sibling(seq) or seq.paused:
                 continue  # n > 1: wait for sample 0's prompt pages instead of computing them again
             self.kv.match_prefix(seq)
             n = self._chunk_size(seq, budget)

@@ -31,6 +31,9 @@ class Sequence:
     num_admissions: int = 0  # times admitted into the running set (> 1 after preemption)
     page_table: list[int] = field(default_factory=list)  # KV pages, in order; page i holds tokens [i*P, (i+1)*P)
     wait_for: Sequence | None = None  # n > 1: don't admit before this sibling's prompt is in the prefix cache
+    # Backpressure: its consumer has not taken enough of its outputs, so it is not scheduled (its pages kept, unless
+    # another sequence needs them: a paused sequence is preempted first). Set by the engine loop.
+    paused: bool = False
     finish: Finish | None = None  # set once finished
     engine_state: dict[str, Any] = field(default_factory=dict)  # per-sequence state owned by the engine loop
 
@@ -42,6 +45,11 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def priority(self) -> int:
+        """Lower is scheduled first among waiting sequences (ties in arrival order)."""
+        return self.request.priority
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from lmrpc.server import validation
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.openai import tools
 from lmrpc.server.openai import validation as rules
 from lmrpc.server.openai.chat_template import RESERVED_KWARGS, ChatTemplate

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from lmrpc.server import validation
-from lmrpc.server.engine.engine import AsyncEngine
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.openai import fim
 from lmrpc.server.openai import validation as rules
 from lmrpc.server.openai.choices import CallUsage, Candidate, best, engine_requests, set_finish

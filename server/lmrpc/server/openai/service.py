@@ -26,6 +26,7 @@ class _Plan(Protocol):
 
 
 P = TypeVar("P", bound=_Plan)
+_Request = openai_pb2.CompleteRequest | openai_pb2.ChatCompleteRequest
 
 
 class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
@@ -66,7 +67,7 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
                    outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[openai_pb2.CompleteResponse]:
             return completions.CompletionStream(plan, self.frontend.engine, call).respond(outputs)
 
-        async for msg in self.frontend.observed(context, call, self._run(context, call, request.rid, build, answer)):
+        async for msg in self.frontend.observed(context, call, self._run(context, call, request, build, answer)):
             yield msg
 
     async def ChatComplete(
@@ -83,11 +84,11 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
                    outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[openai_pb2.ChatCompleteResponse]:
             return chat.ChatStream(plan, self.frontend.engine, call).respond(outputs)
 
-        async for msg in self.frontend.observed(context, call, self._run(context, call, request.rid, build, answer)):
+        async for msg in self.frontend.observed(context, call, self._run(context, call, request, build, answer)):
             yield msg
 
     async def _run(
-        self, context: grpc.aio.ServicerContext, call: CallObserver, given_rid: str,
+        self, context: grpc.aio.ServicerContext, call: CallObserver, request: _Request,
         build: Callable[[str], Awaitable[P]],
         answer: Callable[[P, AsyncIterator[EngineOutput]], AsyncIterator[Response]],
     ) -> AsyncGenerator[Response, None]:
@@ -97,13 +98,13 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         default_rid = self.frontend.metadata_rid(context)
         call.rid = call.rid or default_rid
         try:
-            rid = self.frontend.new_rid(given_rid or default_rid)
+            rid = self.frontend.new_rid(request.rid or default_rid)
             plan = await build(rid)
         except validation.RequestError as exc:
             await context.abort_with_status(validation.to_status(exc))
             return
-        requests = list(plan.requests)
-        async with self.frontend.admitted(context, requests):
+        priority = request.priority if request.HasField("priority") else 0
+        async with self.frontend.admitted(context, list(plan.requests), priority) as requests:
             call.queued(requests)
             if default_rid:
                 await context.send_initial_metadata((("x-request-id", default_rid),))
