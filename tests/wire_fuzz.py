@@ -248,9 +248,9 @@ def request_bytes(draw: st.DrawFn, method: Method) -> bytes:
         return draw(st.binary(max_size=300))
     plausible = draw(_plausible(method)) if kind == "plausible" else None
     if plausible is not None:
-        return bytes(plausible.SerializeToString())
+        return bytes(plausible.SerializeToString(deterministic=True))
     msg = draw(message(descriptor))
-    data = msg.SerializeToString()
+    data = msg.SerializeToString(deterministic=True)
     if kind == "huge":
         # A repeated scalar field of the top-level message made long: ~30 KB to ~5 MB on the wire, so past the
         # server's 4 MiB receive limit sometimes.
