@@ -97,6 +97,16 @@ class LogprobOptions:
     with_text: bool = False  # decode each entry's token on its own (special tokens kept)
 
 
+class AdapterRef(Protocol):
+    """A loaded LoRA adapter as requests carry it (lora.registry.LoadedAdapter); the engine runs its deltas."""
+
+    @property
+    def name(self) -> str: ...  # how requests name it
+
+    @property
+    def uid(self) -> int: ...  # unique per load: the prefix cache keys on it
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One output to generate: a prompt and its parameters. A call with b prompts and n samples makes b * n."""
@@ -110,6 +120,7 @@ class EngineRequest:
     share_prefill_with: str | None = None  # request_id of sample 0 whose prompt pages samples 1..n-1 reuse
     priority: int = 0  # lower is admitted first among waiting outputs; ties in arrival order
     client: str = ""  # who asked (an API key's fingerprint, or the peer's address): per-client accounting
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs under; None: the base model
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.logit_processors import ProcessorRegistry
+from lmrpc.server.lora.registry import LoraRegistry
 from lmrpc.server.models.loader import LoadedModel
 from lmrpc.server.protocol import (
     Constraint,
@@ -69,7 +70,11 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.executor = ModelExecutor(loaded, config)
         kv = KVCacheManager(self.executor.num_pages, self.executor.page_size, config.cache.enable_prefix_cache)
-        self.scheduler = Scheduler(config.scheduler, kv)
+        self.scheduler = Scheduler(config.scheduler, kv, config.lora.max_loras_per_batch)
+        # LoRA adapters: --lora-modules loaded here, on the engine thread, before serving
+        self.lora = LoraRegistry(config.lora, self.executor.model)
+        for name, path in config.lora.modules:
+            self.lora.load(name, path, confined=False)
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.executor.device)
         self.processors = processors
         self.grammar = grammar

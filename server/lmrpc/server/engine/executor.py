@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -16,7 +17,10 @@ from lmrpc.server import memory
 from lmrpc.server.config import EngineConfig
 from lmrpc.server.engine.cuda_graphs import CudaGraphRunner, default_buckets
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, Sequence
+from lmrpc.server.lora.products import RowGroup
+from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.models import ForwardContext
+from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -85,11 +89,17 @@ class ModelExecutor:
             ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             positions.extend(range(c.start, c.start + c.num_tokens))
         chunks = [ChunkSpec(c.start, c.num_tokens, c.seq.page_table) for c in batch.chunks]
-        if self.graphs is not None and len(ids) == len(chunks) and self.graphs.bucket_for(len(ids)) is not None:
+        lora = _adapter_groups(batch, self.device)
+        if (self.graphs is not None and not lora and len(ids) == len(chunks)
+                and self.graphs.bucket_for(len(ids)) is not None):
             return ForwardOutput(self.graphs.run(ids, chunks), ())  # decodes only: a captured graph
         position_tensor = torch.tensor(positions, dtype=torch.int64)
         ctx = ForwardContext(self.attention, self.attention.plan(chunks, position_tensor))
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), ctx)  # [T, hidden]
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
+        if lora:  # only our Llama family takes adapters (lora.registry loads none for another model)
+            hidden = cast(LlamaForCausalLM, self.model).forward(input_ids, ctx, lora)  # [T, hidden]
+        else:
+            hidden = self.model.forward(input_ids, ctx)  # [T, hidden]
         rows, prompt_spans = self._rows(batch)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [len(rows), vocab]
         sampling = logits[: sum(c.samples for c in batch.chunks)]
@@ -118,6 +128,22 @@ class ModelExecutor:
             out.append((c.seq, first, offset, count))
             offset += count
         return torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=self.device), out
+
+
+def _adapter_groups(batch: ScheduledBatch, device: torch.device) -> tuple[RowGroup, ...]:
+    """The step's flat token rows that run under LoRA adapters, grouped by adapter (first appearance order)."""
+    rows: dict[int, list[int]] = {}
+    adapters: dict[int, LoadedAdapter] = {}
+    row = 0
+    for c in batch.chunks:
+        adapter = c.seq.request.adapter
+        if adapter is not None:
+            assert isinstance(adapter, LoadedAdapter)
+            adapters[adapter.uid] = adapter
+            rows.setdefault(adapter.uid, []).extend(range(row, row + c.num_tokens))
+        row += c.num_tokens
+    return tuple(RowGroup(torch.tensor(r, dtype=torch.int64, device=device), adapters[uid].layers)
+                 for uid, r in rows.items())
 
 
 def _prompt_logprob_span(c: ScheduledChunk) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from lmrpc.server.engine.sequence import PageCopy, Sequence
 
-PageKey = tuple[int, tuple[int, ...]]  # (parent page in the cache or -1, the page's token ids)
+PageKey = tuple[int, tuple[int, ...]]  # (parent page in the cache, or the chain's root, the page's token ids)
 
 
 @dataclass(eq=False)
@@ -56,7 +56,9 @@ class KVCacheManager:
         self._num_used = 0  # pages with _seq_refs > 0
         self._num_cached_only = 0  # cached pages with _seq_refs == 0
         self._chains: dict[Sequence, _Chain] = {}
-        self._kids: dict[int, set[_Node]] = {}  # parent page (-1: root) -> cached pages chained after it
+        # parent page (or a root: -1 the base model, -2 - uid a LoRA adapter, Sequence.cache_root) -> cached pages
+        # chained after it
+        self._kids: dict[int, set[_Node]] = {}
         self._pending_copies: dict[Sequence, PageCopy] = {}  # matched partial pages, not yet handed to a step
         self._copying: list[PageCopy] = []  # handed to the current step; their sources stay referenced until done
 
@@ -138,7 +140,7 @@ class KVCacheManager:
         if self.enable_prefix_cache:
             size = self.page_size
             for i in range(seq.max_cacheable_prompt_tokens // size):
-                key = (chain.parent.page if chain.parent else -1, tuple(seq.token_ids[i * size : (i + 1) * size]))
+                key = (_parent(chain, seq), tuple(seq.token_ids[i * size : (i + 1) * size]))
                 node = self._nodes.get(key)
                 if node is None:
                     break
@@ -158,7 +160,7 @@ class KVCacheManager:
         if not wanted:
             return
         best, best_len = None, 0
-        for node in self._kids.get(chain.parent.page if chain.parent else -1, ()):
+        for node in self._kids.get(_parent(chain, seq), ()):
             n = _common_prefix(node.key[1], wanted)
             if n > best_len:
                 best, best_len = node, n
@@ -213,7 +215,7 @@ class KVCacheManager:
         full = min(seq.num_computed_tokens // size, len(seq.page_table))
         while chain.num_committed < full:
             i = chain.num_committed
-            key = (chain.parent.page if chain.parent else -1, tuple(seq.token_ids[i * size : (i + 1) * size]))
+            key = (_parent(chain, seq), tuple(seq.token_ids[i * size : (i + 1) * size]))
             node = self._nodes.get(key)
             if node is None:
                 page = seq.page_table[i]
@@ -246,7 +248,7 @@ class KVCacheManager:
                 or chain.num_committed != index or seq in self._pending_copies):
             return
         page = seq.page_table[index]
-        key = (chain.parent.page if chain.parent else -1, tuple(seq.token_ids[index * size : index * size + filled]))
+        key = (_parent(chain, seq), tuple(seq.token_ids[index * size : index * size + filled]))
         if page in self._node_of_page or key in self._nodes or self._seq_refs[page] != 1:
             return  # already cached, an identical tail is, or another sequence still writes this page
         self._insert(key, page, chain.parent)
@@ -258,6 +260,11 @@ class KVCacheManager:
         assert used == self._num_used and cached_only == self._num_cached_only
         assert len(set(self._free)) == len(self._free)
         assert len(self._free) + used + cached_only == self.num_pages
+
+
+def _parent(chain: _Chain, seq: Sequence) -> int:
+    """The key's first half for the next page of the chain: its cached parent page, or the sequence's root."""
+    return chain.parent.page if chain.parent else seq.cache_root
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:

@@ -20,9 +20,10 @@ from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, SeqStat
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_adapters: int = 8) -> None:
         self.config = config
         self.kv = kv
+        self.max_adapters = max_adapters  # distinct LoRA adapters among running sequences (--max-loras-per-batch)
         self.running: list[Sequence] = []  # holds pages; kept in arrival order
         self.waiting: list[Sequence] = []  # no pages; kept in (priority, arrival) order
 
@@ -157,11 +158,15 @@ class Scheduler:
         return sibling.num_computed_tokens < sibling.num_prompt_tokens - 1
 
     def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        adapters = {s.adapter_uid for s in self.running if s.adapter_uid is not None}
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 return
             if self._blocked_on_sibling(seq) or seq.paused:
                 continue  # n > 1: wait for sample 0's prompt pages instead of computing them again
+            uid = seq.adapter_uid
+            if uid is not None and uid not in adapters and len(adapters) >= self.max_adapters:
+                continue  # a step runs at most max_adapters adapters: this one waits for a running one to end
             self.kv.match_prefix(seq)
             n = self._chunk_size(seq, budget)
             if n == 0:
@@ -178,6 +183,8 @@ class Scheduler:
             self.running.sort(key=lambda s: s.arrival)
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
+            if uid is not None:
+                adapters.add(uid)
 
     def on_computed(self, batch: ScheduledBatch) -> None:
         self.kv.release_copies()

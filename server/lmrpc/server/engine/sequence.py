@@ -52,6 +52,19 @@ class Sequence:
         return self.request.priority
 
     @property
+    def adapter_uid(self) -> int | None:
+        """The LoRA adapter it runs under (its load's uid), None for the base model."""
+        adapter = self.request.adapter
+        return None if adapter is None else adapter.uid
+
+    @property
+    def cache_root(self) -> int:
+        """Where its prefix-cache chain starts: -1 for the base model, a root of its own per adapter load, so the
+        same prompt under two adapters (or the base) never shares pages."""
+        uid = self.adapter_uid
+        return -1 if uid is None else -2 - uid
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_ids)
 

@@ -20,6 +20,7 @@ from lmrpc.kernels import native
 from lmrpc.kernels.attention import select_backend
 from lmrpc.kernels.native_attention import NativeAttention
 from lmrpc.kernels.paged import AttentionBackend, AttentionShape, QKNorm, Rope
+from lmrpc.server.lora.products import RowGroup, add_delta
 from lmrpc.server.models import ForwardContext, register
 from lmrpc.server.models.linear import LinearLayer
 from lmrpc.server.models.quantized import LinearBuilder, NativeLinear
@@ -96,13 +97,24 @@ class DecoderLayer:
     gate_up: LinearLayer  # [hidden] -> [2 * intermediate]
     down: LinearLayer  # [intermediate] -> [hidden]
 
-    def __call__(self, x: torch.Tensor, ctx: ForwardContext, eps: float) -> torch.Tensor:
-        """x [T, hidden] float32 -> [T, hidden]."""
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext, eps: float,
+                 lora: tuple[RowGroup, ...] = ()) -> torch.Tensor:
+        """x [T, hidden] float32 -> [T, hidden]. lora: rows running under adapters get their deltas added to each
+        product's output (lora/products.py); without, this is the base layer."""
         qkv = self.qkv(x, norm=self.input_norm, eps=eps)  # [T, (heads + 2 kv_heads) * head_dim]
+        if lora:
+            qkv = add_delta(qkv, x, lora, self.index, "qkv", norm=self.input_norm, eps=eps)
         attn = ctx.attention(self.index, qkv, ctx.plan, self.qk_norm)  # [T, heads * head_dim]
-        x = self.o(attn, residual=x)
-        gate_up = self.gate_up(x, norm=self.post_attention_norm, eps=eps)  # [T, 2 * intermediate]
-        return self.down(gate_up, silu=True, residual=x)
+        h = self.o(attn, residual=x)  # [T, hidden]
+        if lora:
+            h = add_delta(h, attn, lora, self.index, "o")
+        gate_up = self.gate_up(h, norm=self.post_attention_norm, eps=eps)  # [T, 2 * intermediate]
+        if lora:
+            gate_up = add_delta(gate_up, h, lora, self.index, "gate_up", norm=self.post_attention_norm, eps=eps)
+        out = self.down(gate_up, silu=True, residual=h)  # [T, hidden]
+        if lora:
+            out = add_delta(out, gate_up, lora, self.index, "down", silu=True)
+        return out
 
 
 @register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -114,6 +126,7 @@ class LlamaForCausalLM:
         self.shape = shape = LlamaShape.from_hf(config, qk_norm=arch == "Qwen3ForCausalLM")
         self.device = builder.device
         self.dtype = builder.dtype
+        self.builder = builder  # LoRA adapters' products are built in the same way (lora/products.py)
         self.max_positions = int(config.max_position_embeddings)
         self.rope = rope_tables(config, self.max_positions)
         head_name = "model.embed_tokens.weight"
@@ -194,16 +207,27 @@ class LlamaForCausalLM:
         s = self.shape
         return AttentionShape(s.layers, s.heads, s.kv_heads, s.head_dim, s.head_dim ** -0.5, s.eps)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids [T] -> hidden [T, hidden] float32 (before the final norm, which compute_logits applies)."""
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, lora: tuple[RowGroup, ...] = ()) -> torch.Tensor:
+        """input_ids [T] -> hidden [T, hidden] float32 (before the final norm, which compute_logits applies).
+
+        lora: the rows running under adapters, grouped by adapter. A step with any runs layer by layer in Python
+        (the same kernels, the deltas added around them); a base-only step keeps the one native call."""
         x = self._embed_rows.rows(input_ids) if self._embed_rows is not None else self.embed_rows(input_ids)
-        if self._stack is not None and ctx.attention is self._stack.backend:
+        if self._stack is not None and ctx.attention is self._stack.backend and not lora:
             plan = ctx.plan
             return self._stack.stack.forward(x, plan.positions, plan.slots, plan.block_table, plan.token_seq,
                                              plan.token_ctx)
         for layer in self.layers:
-            x = layer(x, ctx, self.shape.eps)
+            x = layer(x, ctx, self.shape.eps, lora)
         return x
+
+    def lora_features(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection an adapter may target, by PEFT's module name."""
+        s = self.shape
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        return {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden),
+                "gate_proj": (s.hidden, s.intermediate), "up_proj": (s.hidden, s.intermediate),
+                "down_proj": (s.intermediate, s.hidden)}
 
     __call__ = forward
 

@@ -1,0 +1,193 @@
+"""The loaded adapters: by name, least recently used first; loading by path only from under `--lora-root`; at most
+`--max-loaded-loras` held, evicting the least recently used one that no call is using (an adapter in use is never
+evicted: while every loaded one is in use, a new one is loaded beyond the limit and the excess evicted once calls
+end, so no request is refused for it).
+
+Thread-safety: resolve/load/unload/pin run on the event loop or in worker threads (loading reads files and packs
+weights); the engine thread only reads the `LoadedAdapter` objects that requests carry. A request keeps its
+adapter object alive, so an unload or eviction takes the adapter away from new requests while requests in flight
+finish with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmrpc.server.config import LoraConfig
+from lmrpc.server.lora.adapter import AdapterError, AdapterErrorKind, ModelDims, read_adapter
+from lmrpc.server.lora.products import LayerLora, build_layers
+from lmrpc.server.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedAdapter:
+    """One adapter ready to run (satisfies protocol.AdapterRef). Identity-compared: a reload is another adapter."""
+
+    name: str  # how requests name it (lora_path, or "base:name" as an OpenAI model)
+    uid: int  # unique per load: keys the prefix cache, so a reloaded name never meets its old pages
+    path: str  # the directory it was read from
+    rank: int  # r
+    scale: float  # alpha / r (alpha / sqrt(r) with rsLoRA)
+    target_modules: tuple[str, ...]  # PEFT module names it adapts
+    layers: tuple[LayerLora, ...]  # per decoder layer, the deltas on the fused products
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What ListLoraAdapters reports of one adapter."""
+
+    name: str  # its name
+    path: str  # where it was read from
+    rank: int  # r
+    scale: float  # the delta's scale
+    target_modules: tuple[str, ...]  # PEFT module names
+    in_use: int  # calls running with it now
+
+
+class LoraRegistry:
+    """The adapters loaded for one model (see the module doc)."""
+
+    def __init__(self, config: LoraConfig, model: object) -> None:
+        self.config = config
+        # Adapters run on our Llama family only (the transformers fallback has no place for the deltas).
+        self._model = model if isinstance(model, LlamaForCausalLM) else None
+        self._root = os.path.realpath(config.root) if config.root else None
+        self._lock = threading.Lock()
+        self._loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
+        self._pins: dict[int, int] = {}  # uid -> calls using it
+        self._uids = itertools.count(1)
+        self._load_lock = threading.Lock()  # one load at a time: two calls naming one new path read it once
+
+    @property
+    def enabled(self) -> bool:
+        return self._model is not None
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._loaded)
+
+    # ---- resolve and load -------------------------------------------------------------------------------------
+
+    def get(self, name: str) -> LoadedAdapter | None:
+        """The loaded adapter of that name (marked recently used), or None."""
+        with self._lock:
+            adapter = self._loaded.get(name)
+            if adapter is not None:
+                self._loaded.move_to_end(name)
+            return adapter
+
+    def resolve(self, ref: str) -> LoadedAdapter:
+        """A request's adapter: a loaded name, else a path under --lora-root (absolute, or relative to the root),
+        loaded now under that name. Blocking (may read files): call it off the event loop."""
+        adapter = self.get(ref)
+        if adapter is not None:
+            return adapter
+        if self._root is None or not ref:
+            raise self.not_found(ref)
+        return self.load(ref, ref, confined=True, reuse=True)
+
+    def not_found(self, ref: str) -> AdapterError:
+        loaded = ", ".join(repr(n) for n in self.names()) or "none"
+        return AdapterError(AdapterErrorKind.NOT_FOUND, f"LoRA adapter {ref!r} is not loaded (loaded: {loaded})")
+
+    def load(self, name: str, path: str, *, confined: bool, reuse: bool = False) -> LoadedAdapter:
+        """Load the adapter at `path` as `name`. confined (requests, LoadLoraAdapter; not --lora-modules): the path
+        must lie under --lora-root. reuse: a name already loaded is that adapter (else ALREADY_EXISTS). Blocking."""
+        if not self.enabled:
+            raise AdapterError(AdapterErrorKind.UNAVAILABLE,
+                               "this model serves no LoRA adapters (only the Llama family's native layers do)")
+        if not name:
+            raise AdapterError(AdapterErrorKind.INVALID, "an adapter needs a non-empty name")
+        directory = self.check_path(path) if confined else Path(path)
+        with self._load_lock:
+            with self._lock:
+                existing = self._loaded.get(name)
+            if existing is not None:
+                if reuse:
+                    return existing
+                raise AdapterError(AdapterErrorKind.EXISTS, f"a LoRA adapter named {name!r} is already loaded")
+            adapter = self._read(name, directory)
+            with self._lock:
+                self._loaded[name] = adapter
+                self._trim()
+        logger.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, directory, adapter.rank,
+                    ", ".join(adapter.target_modules))
+        return adapter
+
+    def check_path(self, path: str) -> Path:
+        """The adapter directory `path` names, if it lies under --lora-root (symlinks resolved); else
+        PERMISSION_DENIED. A request never makes the server read a file outside the root."""
+        if self._root is None:
+            raise AdapterError(AdapterErrorKind.PERMISSION,
+                               f"loading LoRA adapters by path is disabled (no --lora-root): {path!r}")
+        resolved = os.path.realpath(os.path.join(self._root, path))  # an absolute path replaces the root
+        if os.path.commonpath([resolved, self._root]) != self._root:
+            raise AdapterError(AdapterErrorKind.PERMISSION,
+                               f"LoRA adapter path {path!r} is outside the adapter root (--lora-root)")
+        if not os.path.isdir(resolved):
+            raise AdapterError(AdapterErrorKind.NOT_FOUND,
+                               f"LoRA adapter {path!r} is not loaded and is no directory under the adapter root "
+                               f"(loaded: {', '.join(repr(n) for n in self.names()) or 'none'})")
+        return Path(resolved)
+
+    def _read(self, name: str, directory: Path) -> LoadedAdapter:
+        model = self._model
+        assert model is not None
+        features = model.lora_features()
+        file = read_adapter(directory, ModelDims(model.shape.layers, features), self.config.max_rank)
+        layers = build_layers(file, model.builder, model.shape.layers, features)
+        return LoadedAdapter(name, next(self._uids), str(directory), file.rank, file.scale, file.target_modules,
+                             layers)
+
+    # ---- unload, pins, eviction -------------------------------------------------------------------------------
+
+    def unload(self, name: str) -> LoadedAdapter:
+        """Take the adapter away from new requests; calls running with it finish with it."""
+        with self._lock:
+            adapter = self._loaded.pop(name, None)
+        if adapter is None:
+            raise self.not_found(name)
+        logger.info("LoRA adapter %r unloaded", name)
+        return adapter
+
+    def pin(self, adapters: Iterable[LoadedAdapter]) -> None:
+        """These adapters are in use by a call (once per call and adapter): not evicted until unpinned."""
+        with self._lock:
+            for a in adapters:
+                self._pins[a.uid] = self._pins.get(a.uid, 0) + 1
+
+    def unpin(self, adapters: Iterable[LoadedAdapter]) -> None:
+        with self._lock:
+            for a in adapters:
+                left = self._pins.get(a.uid, 0) - 1
+                if left > 0:
+                    self._pins[a.uid] = left
+                else:
+                    self._pins.pop(a.uid, None)
+            self._trim()
+
+    def _trim(self) -> None:
+        """Evict least recently used adapters nobody uses while more than --max-loaded-loras are loaded (locked)."""
+        excess = len(self._loaded) - self.config.max_loaded
+        for name, adapter in list(self._loaded.items()):
+            if excess <= 0:
+                break
+            if self._pins.get(adapter.uid, 0) == 0:
+                del self._loaded[name]
+                excess -= 1
+                logger.info("LoRA adapter %r evicted (least recently used; --max-loaded-loras %d)", name,
+                            self.config.max_loaded)
+
+    def list(self) -> list[AdapterInfo]:
+        with self._lock:
+            return [AdapterInfo(a.name, a.path, a.rank, a.scale, a.target_modules, self._pins.get(a.uid, 0))
+                    for a in self._loaded.values()]
