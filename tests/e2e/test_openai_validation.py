@@ -67,7 +67,9 @@ COMPLETE_CASES: dict[str, tuple[dict[str, Any], grpc.StatusCode, str]] = {
     "suffix without FIM tokens": ({"prompt": ["a"], "suffix": "b"}, INVALID, "suffix"),
     "unknown model": ({"prompt": ["a"], "model": "gpt-4"}, NOT_FOUND, "model"),
     "LoRA adapter": ({"prompt": ["a"], "model": f"{SERVED}:my-adapter"}, NOT_FOUND, "model"),
-    "lora_path": ({"prompt": ["a"], "lora_path": "/adapters/a"}, UNIMPLEMENTED, "lora_path"),
+    "lora_path not loaded": ({"prompt": ["a"], "lora_path": "/adapters/a"}, NOT_FOUND, "lora_path"),
+    "lora_path and model disagree": ({"prompt": ["a"], "model": f"{SERVED}:x", "lora_path": "y"}, INVALID,
+                                     "lora_path"),
     "return_hidden_states": ({"prompt": ["a"], "return_hidden_states": True}, UNIMPLEMENTED, "return_hidden_states"),
     "return_routed_experts": ({"prompt": ["a"], "return_routed_experts": True}, UNIMPLEMENTED,
                               "return_routed_experts"),
@@ -119,7 +121,7 @@ CHAT_CASES: dict[str, tuple[dict[str, Any], grpc.StatusCode, str]] = {
     "temperature": ({"messages": HI, "temperature": -1}, INVALID, "temperature"),
     "seed with min_tokens": ({"messages": HI, "max_tokens": 2, "min_tokens": 3}, INVALID, "min_tokens"),
     "unknown model": ({"messages": HI, "model": "llama"}, NOT_FOUND, "model"),
-    "lora_path": ({"messages": HI, "lora_path": "a"}, UNIMPLEMENTED, "lora_path"),
+    "lora_path not loaded": ({"messages": HI, "lora_path": "a"}, NOT_FOUND, "lora_path"),
 }
 
 

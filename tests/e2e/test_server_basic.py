@@ -83,12 +83,10 @@ def test_invalid_argument_names_field_and_server_keeps_serving(client: Client) -
     assert ok.finish is not None and ok.finish.reason in (FinishReason.LENGTH, FinishReason.EOS)
 
 
-@pytest.mark.parametrize("field", ["return_hidden_states", "return_routed_experts", "lora_path", "input_embeds"])
+@pytest.mark.parametrize("field", ["return_hidden_states", "return_routed_experts", "input_embeds"])
 def test_unbuilt_features_are_unimplemented_not_ignored(server, field: str) -> None:
     request = generate_pb2.GenerateRequest(text=["hi"])
-    if field == "lora_path":
-        request.lora_path.append("adapter")
-    elif field == "input_embeds":
+    if field == "input_embeds":
         request.input_embeds.add().positions.add().values.append(0.5)
     else:
         setattr(request, field, True)

@@ -159,7 +159,12 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def lora_path(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """LoRA adapter per prompt. Not built yet: using it is answered UNIMPLEMENTED."""
+        """LoRA adapter per prompt: none (every prompt runs on the base model), one for every prompt, or exactly one per
+        prompt (an empty entry: that prompt runs on the base model). Each is a loaded adapter's name, or a directory
+        under the server's --lora-root (relative to it, or absolute), loaded on first use under that name. An unknown
+        adapter is NOT_FOUND (the message lists the loaded ones); a path outside the root PERMISSION_DENIED; an
+        adapter the model or server's limits do not fit INVALID_ARGUMENT.
+        """
 
     def __init__(
         self,
@@ -870,6 +875,7 @@ class GetModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     QUANTIZATION_FIELD_NUMBER: _builtins.int
     WEIGHT_FORMATS_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Where the weights were loaded from (a directory or a GGUF file)."""
     served_model_name: _builtins.str
@@ -903,6 +909,10 @@ class GetModelInfoResponse(_message.Message):
         "int8" (8-bit per output channel).
         """
 
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
+        """The LoRA adapters loaded now, least recently used first (empty: none)."""
+
     def __init__(
         self,
         *,
@@ -917,14 +927,193 @@ class GetModelInfoResponse(_message.Message):
         device: _builtins.str = ...,
         quantization: _builtins.str = ...,
         weight_formats: _abc.Iterable[_builtins.str] | None = ...,
+        lora_adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["default_sampling_params", b"default_sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "default_sampling_params", b"default_sampling_params", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_context_length", b"max_context_length", "model_path", b"model_path", "quantization", b"quantization", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size", "weight_formats", b"weight_formats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "default_sampling_params", b"default_sampling_params", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "lora_adapters", b"lora_adapters", "max_context_length", b"max_context_length", "model_path", b"model_path", "quantization", b"quantization", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size", "weight_formats", b"weight_formats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    """LoraAdapter describes one loaded LoRA adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    SCALE_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    IN_USE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests give in lora_path (or as "base:name" in OpenAIService's model)."""
+    path: _builtins.str
+    """The directory it was read from."""
+    rank: _builtins.int
+    """Its rank r, in [1, --max-lora-rank]."""
+    scale: _builtins.float
+    """The scale of its delta: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
+    in_use: _builtins.int
+    """Calls running with it now (an adapter in use is never evicted), >= 0."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The model's modules it adapts, PEFT's names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+        down_proj, sorted.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        scale: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+        in_use: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_use", b"in_use", "name", b"name", "path", b"path", "rank", b"rank", "scale", b"scale", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterRequest(_message.Message):
+    """LoadLoraAdapterRequest names an adapter directory to load."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name to load it under; non-empty, not already loaded."""
+    path: _builtins.str
+    """The adapter's directory (adapter_config.json and adapter_model.safetensors): relative to the server's
+    --lora-root, or an absolute path under it.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterRequest: _TypeAlias = LoadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterResponse(_message.Message):
+    """LoadLoraAdapterResponse describes the adapter loaded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___LoraAdapter:
+        """The adapter as loaded."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___LoraAdapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterResponse: _TypeAlias = LoadLoraAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterRequest(_message.Message):
+    """UnloadLoraAdapterRequest names a loaded adapter to unload."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The loaded adapter's name."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterRequest: _TypeAlias = UnloadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterResponse(_message.Message):
+    """UnloadLoraAdapterResponse confirms an unload (no fields): new requests no longer find the adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterResponse: _TypeAlias = UnloadLoraAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ListLoraAdaptersRequest(_message.Message):
+    """ListLoraAdaptersRequest asks for the loaded adapters (no fields)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLoraAdaptersRequest: _TypeAlias = ListLoraAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class ListLoraAdaptersResponse(_message.Message):
+    """ListLoraAdaptersResponse lists the loaded adapters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
+        """The loaded adapters, least recently used first."""
+
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLoraAdaptersResponse: _TypeAlias = ListLoraAdaptersResponse  # noqa: Y015
 
 @_typing.final
 class TokenizeRequest(_message.Message):

@@ -65,6 +65,21 @@ class GenerateServiceStub:
                 request_serializer=lmrpc_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=lmrpc_dot_v1_dot_generate__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/lmrpc.v1.GenerateService/LoadLoraAdapter',
+                request_serializer=lmrpc_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=lmrpc_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/lmrpc.v1.GenerateService/UnloadLoraAdapter',
+                request_serializer=lmrpc_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=lmrpc_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/lmrpc.v1.GenerateService/ListLoraAdapters',
+                request_serializer=lmrpc_dot_v1_dot_generate__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=lmrpc_dot_v1_dot_generate__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -118,6 +133,32 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a PEFT LoRA adapter from a directory under the server's --lora-root, under a name that
+        requests then give in lora_path (or as "base:name" in the model of OpenAIService calls). Needs the server flag
+        --enable-lora-admin (else PERMISSION_DENIED). ALREADY_EXISTS for a name already loaded; PERMISSION_DENIED for a
+        path outside the root; NOT_FOUND when no adapter is there; INVALID_ARGUMENT for an adapter the model or the
+        server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter takes a loaded adapter away from new requests; requests in flight with it finish first.
+        Needs --enable-lora-admin. NOT_FOUND for a name not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """ListLoraAdapters lists the loaded adapters, least recently used first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +191,21 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=lmrpc_dot_v1_dot_generate__pb2.GetLoadRequest.FromString,
                     response_serializer=lmrpc_dot_v1_dot_generate__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=lmrpc_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=lmrpc_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=lmrpc_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=lmrpc_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=lmrpc_dot_v1_dot_generate__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=lmrpc_dot_v1_dot_generate__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +371,87 @@ class GenerateService:
             '/lmrpc.v1.GenerateService/GetLoad',
             lmrpc_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
             lmrpc_dot_v1_dot_generate__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmrpc.v1.GenerateService/LoadLoraAdapter',
+            lmrpc_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+            lmrpc_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmrpc.v1.GenerateService/UnloadLoraAdapter',
+            lmrpc_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            lmrpc_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmrpc.v1.GenerateService/ListLoraAdapters',
+            lmrpc_dot_v1_dot_generate__pb2.ListLoraAdaptersRequest.SerializeToString,
+            lmrpc_dot_v1_dot_generate__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,19 @@ class GenerateServiceStub:
     OpenAIService also carries these figures as a gRPC ORCA load report in its trailing metadata
     (endpoint-load-metrics-bin, an xds.data.orca.v3.OrcaLoadReport).
     """
+    LoadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_generate_pb2.LoadLoraAdapterRequest, _generate_pb2.LoadLoraAdapterResponse]
+    """LoadLoraAdapter loads a PEFT LoRA adapter from a directory under the server's --lora-root, under a name that
+    requests then give in lora_path (or as "base:name" in the model of OpenAIService calls). Needs the server flag
+    --enable-lora-admin (else PERMISSION_DENIED). ALREADY_EXISTS for a name already loaded; PERMISSION_DENIED for a
+    path outside the root; NOT_FOUND when no adapter is there; INVALID_ARGUMENT for an adapter the model or the
+    server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks).
+    """
+    UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_generate_pb2.UnloadLoraAdapterRequest, _generate_pb2.UnloadLoraAdapterResponse]
+    """UnloadLoraAdapter takes a loaded adapter away from new requests; requests in flight with it finish first.
+    Needs --enable-lora-admin. NOT_FOUND for a name not loaded.
+    """
+    ListLoraAdapters: _grpc.UnaryUnaryMultiCallable[_generate_pb2.ListLoraAdaptersRequest, _generate_pb2.ListLoraAdaptersResponse]
+    """ListLoraAdapters lists the loaded adapters, least recently used first."""
 
 @_typing.type_check_only
 class GenerateServiceAsyncStub(GenerateServiceStub):
@@ -83,6 +96,19 @@ class GenerateServiceAsyncStub(GenerateServiceStub):
     OpenAIService also carries these figures as a gRPC ORCA load report in its trailing metadata
     (endpoint-load-metrics-bin, an xds.data.orca.v3.OrcaLoadReport).
     """
+    LoadLoraAdapter: _aio.UnaryUnaryMultiCallable[_generate_pb2.LoadLoraAdapterRequest, _generate_pb2.LoadLoraAdapterResponse]  # type: ignore[assignment]
+    """LoadLoraAdapter loads a PEFT LoRA adapter from a directory under the server's --lora-root, under a name that
+    requests then give in lora_path (or as "base:name" in the model of OpenAIService calls). Needs the server flag
+    --enable-lora-admin (else PERMISSION_DENIED). ALREADY_EXISTS for a name already loaded; PERMISSION_DENIED for a
+    path outside the root; NOT_FOUND when no adapter is there; INVALID_ARGUMENT for an adapter the model or the
+    server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks).
+    """
+    UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_generate_pb2.UnloadLoraAdapterRequest, _generate_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
+    """UnloadLoraAdapter takes a loaded adapter away from new requests; requests in flight with it finish first.
+    Needs --enable-lora-admin. NOT_FOUND for a name not loaded.
+    """
+    ListLoraAdapters: _aio.UnaryUnaryMultiCallable[_generate_pb2.ListLoraAdaptersRequest, _generate_pb2.ListLoraAdaptersResponse]  # type: ignore[assignment]
+    """ListLoraAdapters lists the loaded adapters, least recently used first."""
 
 class GenerateServiceServicer(metaclass=_abc_1.ABCMeta):
     """GenerateService generates text from prompts with one model."""
@@ -142,5 +168,36 @@ class GenerateServiceServicer(metaclass=_abc_1.ABCMeta):
         OpenAIService also carries these figures as a gRPC ORCA load report in its trailing metadata
         (endpoint-load-metrics-bin, an xds.data.orca.v3.OrcaLoadReport).
         """
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request: _generate_pb2.LoadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.LoadLoraAdapterResponse, _abc.Awaitable[_generate_pb2.LoadLoraAdapterResponse]]:
+        """LoadLoraAdapter loads a PEFT LoRA adapter from a directory under the server's --lora-root, under a name that
+        requests then give in lora_path (or as "base:name" in the model of OpenAIService calls). Needs the server flag
+        --enable-lora-admin (else PERMISSION_DENIED). ALREADY_EXISTS for a name already loaded; PERMISSION_DENIED for a
+        path outside the root; NOT_FOUND when no adapter is there; INVALID_ARGUMENT for an adapter the model or the
+        server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks).
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoraAdapter(
+        self,
+        request: _generate_pb2.UnloadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_generate_pb2.UnloadLoraAdapterResponse]]:
+        """UnloadLoraAdapter takes a loaded adapter away from new requests; requests in flight with it finish first.
+        Needs --enable-lora-admin. NOT_FOUND for a name not loaded.
+        """
+
+    @_abc_1.abstractmethod
+    def ListLoraAdapters(
+        self,
+        request: _generate_pb2.ListLoraAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.ListLoraAdaptersResponse, _abc.Awaitable[_generate_pb2.ListLoraAdaptersResponse]]:
+        """ListLoraAdapters lists the loaded adapters, least recently used first."""
 
 def add_GenerateServiceServicer_to_server(servicer: GenerateServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -132,8 +132,9 @@ class CompleteRequest(_message.Message):
     RID_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """The served model's name (GetModelInfo.served_model_name); empty: the served model. "base:adapter" names a
-    LoRA adapter: none is loaded yet, so it is answered NOT_FOUND, as is any other name.
+    """The served model's name (GetModelInfo.served_model_name); empty: the served model. "base:adapter" runs the
+    served model under the loaded LoRA adapter named adapter (NOT_FOUND, listing the loaded ones, when it is not
+    loaded); any other name is NOT_FOUND.
     """
     suffix: _builtins.str
     """Text that comes after the completion (fill in the middle). Needs a tokenizer with fill-in-the-middle tokens;
@@ -192,7 +193,10 @@ class CompleteRequest(_message.Message):
     min_tokens: _builtins.int
     """SGLang: stop tokens are forbidden until this many tokens were generated. Default 0; range [0, max_tokens]."""
     lora_path: _builtins.str
-    """SGLang: a LoRA adapter. Not built yet: using it is answered UNIMPLEMENTED."""
+    """SGLang: the LoRA adapter every prompt runs under: a loaded adapter's name, or a directory under the server's
+    --lora-root (loaded on first use). Empty: the adapter named in model, if any, else the base model. Giving both
+    this and an adapter in model is INVALID_ARGUMENT unless they agree. Errors as GenerateRequest.lora_path.
+    """
     return_hidden_states: _builtins.bool
     """SGLang: return the final hidden states. Not built yet: true is answered UNIMPLEMENTED."""
     return_routed_experts: _builtins.bool
@@ -826,7 +830,9 @@ class ChatCompleteRequest(_message.Message):
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """The served model's name; empty: the served model. "base:adapter" and other names are NOT_FOUND."""
+    """The served model's name; empty: the served model. "base:adapter": under a loaded LoRA adapter, as in
+    CompleteRequest.model; other names are NOT_FOUND.
+    """
     max_tokens: _builtins.int
     """Maximum number of tokens to generate per choice (OpenAI's older name). Default: what the context leaves;
     range >= 0. Not with max_completion_tokens.
@@ -880,7 +886,7 @@ class ChatCompleteRequest(_message.Message):
     min_tokens: _builtins.int
     """SGLang: stop tokens are forbidden until this many tokens were generated. Default 0; range [0, max tokens]."""
     lora_path: _builtins.str
-    """SGLang: a LoRA adapter. Not built yet: using it is answered UNIMPLEMENTED."""
+    """SGLang: the LoRA adapter the conversation runs under, as CompleteRequest.lora_path."""
     return_hidden_states: _builtins.bool
     """SGLang: return the final hidden states. Not built yet: true is answered UNIMPLEMENTED."""
     return_routed_experts: _builtins.bool

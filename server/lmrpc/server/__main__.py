@@ -16,6 +16,7 @@ from lmrpc.server.config import (
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
+    LoraConfig,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -73,7 +74,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Traces: set the standard OTEL_* variables (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)")
     _add_transport_flags(p)
     _add_hardening_flags(p)
+    _add_lora_flags(p)
     return p.parse_args(argv)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def _add_lora_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters", "PEFT adapters of the served model, mixed in one batch")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="adapters loaded at start (a directory with adapter_config.json and "
+                        "adapter_model.safetensors), named for requests' lora_path or model \"base:NAME\"")
+    g.add_argument("--max-lora-rank", type=int, default=64, metavar="R", help="largest adapter rank accepted (64)")
+    g.add_argument("--max-loras-per-batch", type=int, default=8, metavar="N",
+                   help="distinct adapters running at once; outputs of others wait (8)")
+    g.add_argument("--max-loaded-loras", type=int, default=16, metavar="N",
+                   help="adapters held in memory; the least recently used one not in use is evicted (16)")
+    g.add_argument("--lora-root", metavar="DIR",
+                   help="requests and LoadLoraAdapter may load adapters by path from under DIR only (default: no "
+                        "loading by path)")
+    g.add_argument("--enable-lora-admin", action="store_true",
+                   help="serve LoadLoraAdapter and UnloadLoraAdapter (ListLoraAdapters is always served)")
 
 
 def _add_hardening_flags(p: argparse.ArgumentParser) -> None:
@@ -150,9 +176,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             enable_custom_logit_processor=args.enable_custom_logit_processor,
             cuda_graph_max_batch=args.cuda_graph_max_batch,
             max_buffered_outputs=args.max_buffered_outputs,
+            lora=LoraConfig(lora_modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank,
+                            max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
+                            lora_root=args.lora_root, enable_lora_admin=args.enable_lora_admin),
         )
     except ValueError as e:
-        _flag_error(e, ModelConfig, CacheConfig, SchedulerConfig, EngineConfig)
+        _flag_error(e, ModelConfig, CacheConfig, SchedulerConfig, EngineConfig, LoraConfig)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -69,29 +69,30 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA adapters (server/lmrpc/server/lora/)."""
+    """LoRA adapters (server/lmrpc/server/lora/). Field names are the flags' (--lora-modules, ...)."""
 
-    modules: tuple[tuple[str, str], ...] = ()  # (name, directory) of adapters loaded at start (--lora-modules)
-    max_rank: int = 64  # largest adapter rank accepted; range [1, 1024]
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, directory) of adapters loaded at start
+    max_lora_rank: int = 64  # largest adapter rank accepted; range [1, 1024]
     max_loras_per_batch: int = 8  # distinct adapters among the running outputs (one step's rows); range >= 1
-    max_loaded: int = 16  # adapters held; the least recently used one not in use is evicted; range >= 1
-    root: str | None = None  # directory requests and LoadLoraAdapter may load adapters from; None: no loading by path
-    admin: bool = False  # LoadLoraAdapter and UnloadLoraAdapter are served (ListLoraAdapters always is)
+    max_loaded_loras: int = 16  # adapters held; the least recently used one not in use is evicted; range >= 1
+    lora_root: str | None = None  # directory requests and LoadLoraAdapter may load adapters from; None: no loading
+    #   by path
+    enable_lora_admin: bool = False  # LoadLoraAdapter and UnloadLoraAdapter are served (ListLoraAdapters always is)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_rank <= 1024:
-            raise ValueError(f"max_lora_rank must be in [1, 1024], got {self.max_rank}")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
         if self.max_loras_per_batch < 1:
             raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
-        if self.max_loaded < 1:
-            raise ValueError(f"max_loaded_loras must be >= 1, got {self.max_loaded}")
-        names = [name for name, _ in self.modules]
+        if self.max_loaded_loras < 1:
+            raise ValueError(f"max_loaded_loras must be >= 1, got {self.max_loaded_loras}")
+        names = [name for name, _ in self.lora_modules]
         if len(set(names)) != len(names) or not all(names):
             raise ValueError(f"lora_modules names must be non-empty and distinct, got {names}")
-        if len(names) > self.max_loaded:
-            raise ValueError(f"{len(names)} lora_modules exceed max_loaded_loras {self.max_loaded}")
-        if self.root is not None and not os.path.isdir(self.root):
-            raise ValueError(f"lora_root {self.root!r} is not a directory")
+        if len(names) > self.max_loaded_loras:
+            raise ValueError(f"{len(names)} lora_modules exceed max_loaded_loras {self.max_loaded_loras}")
+        if self.lora_root is not None and not os.path.isdir(self.lora_root):
+            raise ValueError(f"lora_root {self.lora_root!r} is not a directory")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from lmrpc.server import auth, load, memory, validation
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.engine import EngineUnavailable
+from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.metrics import Metrics
 from lmrpc.server.protocol import EngineRequest
 from lmrpc.server.telemetry import CallObserver
@@ -99,9 +100,15 @@ class Frontend:
         await self._check_client_share(context, client, len(requests))
         self._outputs_in_flight += len(requests)
         self._in_flight_by_client[client] = self._in_flight_by_client.get(client, 0) + len(requests)
+        # LoRA adapters the call uses are not evicted before it ends (lora/registry.py)
+        adapters = [a for a in {r.adapter for r in requests if r.adapter is not None} if isinstance(a, LoadedAdapter)]
+        if adapters:
+            self.engine.lora.pin(adapters)
         try:
             yield [replace(r, client=client, priority=priority) for r in requests]
         finally:
+            if adapters:
+                self.engine.lora.unpin(adapters)
             self._outputs_in_flight -= len(requests)
             left = self._in_flight_by_client[client] - len(requests)
             if left:

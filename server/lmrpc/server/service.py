@@ -12,6 +12,8 @@ import grpc
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
+from lmrpc.server.lora.errors import AdapterError
+from lmrpc.server.lora.registry import AdapterInfo, LoadedAdapter
 from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, TokenLogprob
 from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
@@ -59,6 +61,11 @@ def _finish_fields(out: EngineOutput, msg: generate_pb2.GenerateResponse) -> Non
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens))
 
 
+def _adapter_pb(a: AdapterInfo) -> generate_pb2.LoraAdapter:
+    return generate_pb2.LoraAdapter(name=a.name, path=a.path, rank=a.rank, scale=a.scale,
+                                    target_modules=a.target_modules, in_use=a.in_use)
+
+
 class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend  # the engine, admission control and the drain flag, shared with OpenAIService
@@ -80,6 +87,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             prompts = [list(ids.ids) for ids in req.input_ids]
         given: list[str | None] = list(req.rid) or ([default_rid] if num_prompts == 1 else [None] * num_prompts)
         rids = [self.frontend.new_rid(rid) for rid in given]
+        adapters = [await self._adapter(validation.lora_ref(req.lora_path, i), i) for i in range(num_prompts)]
         logprobs = None
         if req.return_logprob:
             logprobs = LogprobOptions(
@@ -89,7 +97,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             )
         out: list[EngineRequest] = []
         use_model = self.frontend.engine_config.sampling_defaults == "model"
-        for i, (prompt, rid) in enumerate(zip(prompts, rids, strict=True)):
+        for i, (prompt, rid, adapter) in enumerate(zip(prompts, rids, adapters, strict=True)):
             validation.check_prompt(prompt, i, info, req)
             if not req.sampling_params:
                 pb, name = generate_pb2.SamplingParams(), "sampling_params"
@@ -116,9 +124,13 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 out.append(EngineRequest(
                     request_id=request_id, rid=rid, index=i * params.n + s, prompt_ids=tuple(prompt),
                     params=replace(params, seed=seed), logprobs=logprobs,
-                    share_prefill_with=None if s == 0 else f"{rid}/0",
+                    share_prefill_with=None if s == 0 else f"{rid}/0", adapter=adapter,
                 ))
         return out
+
+    async def _adapter(self, ref: str, index: int) -> LoadedAdapter | None:
+        """Prompt `index`'s LoRA adapter ("" : the base model), loaded from under --lora-root if need be."""
+        return await validation.resolve_adapter(self.engine.lora, ref, f"lora_path[{index}]")
 
     # ---- RPCs ----------------------------------------------------------------------------------------------------
 
@@ -220,8 +232,43 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 spaces_between_special_tokens=True, no_stop_trim=False,
             ),
             architecture=info.architecture, dtype=info.dtype, device=info.device, quantization=info.quantization,
-            weight_formats=info.weight_formats,
+            weight_formats=info.weight_formats, lora_adapters=[_adapter_pb(a) for a in self.engine.lora.list()],
         )
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------------------------
+
+    async def _check_lora_admin(self, context: grpc.aio.ServicerContext) -> None:
+        await self.frontend.check_loaded(context)
+        if not self.frontend.engine_config.lora.enable_lora_admin:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "loading and unloading LoRA adapters is disabled (server flag --enable-lora-admin)")
+
+    async def LoadLoraAdapter(
+        self, request: generate_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.LoadLoraAdapterResponse:
+        await self._check_lora_admin(context)
+        try:
+            adapter = await asyncio.to_thread(self.engine.lora.load, request.name, request.path, confined=True)
+        except AdapterError as exc:
+            await context.abort_with_status(validation.to_status(validation.adapter_error(exc, "path")))
+        info = next((a for a in self.engine.lora.list() if a.name == adapter.name), None)
+        return generate_pb2.LoadLoraAdapterResponse(adapter=_adapter_pb(info) if info is not None else None)
+
+    async def UnloadLoraAdapter(
+        self, request: generate_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.UnloadLoraAdapterResponse:
+        await self._check_lora_admin(context)
+        try:
+            self.engine.lora.unload(request.name)
+        except AdapterError as exc:
+            await context.abort_with_status(validation.to_status(validation.adapter_error(exc, "name")))
+        return generate_pb2.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(
+        self, request: generate_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.ListLoraAdaptersResponse:
+        await self.frontend.check_loaded(context)
+        return generate_pb2.ListLoraAdaptersResponse(adapters=[_adapter_pb(a) for a in self.engine.lora.list()])
 
     async def Tokenize(
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext

@@ -1,29 +1,42 @@
 """User-error rules and their one mapping to gRPC statuses. Rules collect typed violations; `to_status` maps them to a
 status with google.rpc.BadRequest field violations (INVALID_ARGUMENT; UNIMPLEMENTED for features not built yet;
-NOT_FOUND for an unknown model) or a google.rpc.PreconditionFailure (FAILED_PRECONDITION).
+NOT_FOUND for an unknown model or LoRA adapter; PERMISSION_DENIED for an adapter path outside --lora-root;
+ALREADY_EXISTS for an adapter name taken) or a google.rpc.PreconditionFailure (FAILED_PRECONDITION).
 
 The rules of GenerateService's requests and the sampling parameters every RPC shares live here; the rules of the
 OpenAI-shaped requests, which map onto these, live in openai/validation.py."""
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2, json_format
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
 from lmrpc.server.protocol import Constraint, ModelInfo, SamplingParams
 from lmrpc.v1 import generate_pb2
+
+if TYPE_CHECKING:
+    from lmrpc.server.lora.registry import LoadedAdapter, LoraRegistry
 
 MAX_TOP_LOGPROBS = 20
 # Request fields of features not built yet: using one is answered UNIMPLEMENTED, never ignored.
 UNBUILT_FIELDS = (
-    "input_embeds", "image_data", "audio_data", "lora_path", "return_hidden_states", "return_routed_experts",
+    "input_embeds", "image_data", "audio_data", "return_hidden_states", "return_routed_experts",
 )
+_ADAPTER_CODES = {
+    AdapterErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    AdapterErrorKind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
+    AdapterErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    AdapterErrorKind.UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
+    AdapterErrorKind.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+}
 OPENAI_DEFAULTS: dict[str, float] = {
     "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
 }
@@ -123,6 +136,8 @@ def check_shape(req: generate_pb2.GenerateRequest) -> int:
     c.check(len(req.sampling_params) in (0, 1, n), "sampling_params",
             f"give 0, 1 or one per prompt ({n}), got {len(req.sampling_params)}")
     c.check(len(req.rid) in (0, n), "rid", f"give none or one per prompt ({n}), got {len(req.rid)}")
+    c.check(len(req.lora_path) in (0, 1, n), "lora_path",
+            f"give 0, 1 or one per prompt ({n}), got {len(req.lora_path)}")
     c.check(len(set(req.rid)) == len(req.rid), "rid", "request ids must be distinct")
     c.check(all(req.rid), "rid", "request ids must not be empty")
     ns = {sp.n if sp.HasField("n") else 1 for sp in req.sampling_params}
@@ -226,6 +241,30 @@ def resolve_sampling(
         constraint=Constraint(kind, getattr(pb, kind), json_whitespace) if kind else None,
         logit_processor=processor or None, processor_params=dict(params),
     )
+
+
+def adapter_error(exc: AdapterError, field: str) -> RequestError:
+    """A LoRA adapter that cannot be used, as the status its kind calls for (see the module doc)."""
+    return RequestError(_ADAPTER_CODES[exc.kind], [Violation(field, exc.message)])
+
+
+async def resolve_adapter(registry: LoraRegistry, ref: str, field: str) -> LoadedAdapter | None:
+    """The LoRA adapter `ref` names ("": None, the base model), loaded from under --lora-root if need be (in a
+    worker thread: it reads files); an unusable one is a RequestError on `field`."""
+    if not ref:
+        return None
+    try:
+        return await asyncio.to_thread(registry.resolve, ref)
+    except AdapterError as exc:
+        raise adapter_error(exc, field) from exc
+
+
+def lora_ref(refs: Sequence[str], index: int) -> str:
+    """The adapter of prompt `index` given a request's lora_path (none, one for all, or one per prompt): "" for
+    the base model."""
+    if not refs:
+        return ""
+    return refs[0] if len(refs) == 1 else refs[index]
 
 
 def invalid(field: str, description: str) -> RequestError:

@@ -38,6 +38,7 @@ class AsyncEngine:
         self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
         self.processors = engine.processors
         self.grammar = engine.grammar
+        self.lora = engine.lora  # the loaded LoRA adapters (lora/registry.py)
         self._ids_by_rid: dict[str, set[str]] = {}  # event-loop side: live request ids per user rid
         self._serial = itertools.count()
         self._calls: set[asyncio.Queue[EngineOutput | EngineUnavailable]] = set()  # output queues of calls in flight

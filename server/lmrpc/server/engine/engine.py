@@ -73,7 +73,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, kv, config.lora.max_loras_per_batch)
         # LoRA adapters: --lora-modules loaded here, on the engine thread, before serving
         self.lora = LoraRegistry(config.lora, self.executor.model)
-        for name, path in config.lora.modules:
+        for name, path in config.lora.lora_modules:
             self.lora.load(name, path, confined=False)
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.executor.device)
         self.processors = processors

@@ -4,7 +4,6 @@ scale alpha/r, or alpha/sqrt(r) with rsLoRA. No torch work beyond reading the te
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import re
@@ -15,6 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's module names -> ours. q/k/v land in the fused qkv product, gate/up in the fused gate_up product.
@@ -22,25 +23,6 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT saves without the adapter's name; older
 # versions and other tools keep ".default" before ".weight").
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
-
-
-class AdapterErrorKind(enum.Enum):
-    """What went wrong, so that validation.py can choose the status."""
-
-    NOT_FOUND = "not_found"  # no such loaded adapter, or no adapter at that path
-    PERMISSION = "permission"  # a path outside --lora-root, or loading by path is not enabled
-    INVALID = "invalid"  # the adapter does not fit the model or the server's limits
-    UNAVAILABLE = "unavailable"  # the server serves no adapters (flags, or a model without adapter support)
-    EXISTS = "exists"  # a load under a name already loaded
-
-
-class AdapterError(Exception):
-    """An adapter that cannot be used; `kind` decides the status code."""
-
-    def __init__(self, kind: AdapterErrorKind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmrpc.server.config import LoraConfig
-from lmrpc.server.lora.adapter import AdapterError, AdapterErrorKind, ModelDims, read_adapter
+from lmrpc.server.lora.adapter import ModelDims, read_adapter
+from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
 from lmrpc.server.lora.products import LayerLora, build_layers
 from lmrpc.server.models.llama import LlamaForCausalLM
 
@@ -60,7 +61,7 @@ class LoraRegistry:
         self.config = config
         # Adapters run on our Llama family only (the transformers fallback has no place for the deltas).
         self._model = model if isinstance(model, LlamaForCausalLM) else None
-        self._root = os.path.realpath(config.root) if config.root else None
+        self._root = os.path.realpath(config.lora_root) if config.lora_root else None
         self._lock = threading.Lock()
         self._loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
         self._pins: dict[int, int] = {}  # uid -> calls using it
@@ -118,7 +119,7 @@ class LoraRegistry:
             adapter = self._read(name, directory)
             with self._lock:
                 self._loaded[name] = adapter
-                self._trim()
+                self._trim(keep=name)  # the caller is about to use it
         logger.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, directory, adapter.rank,
                     ", ".join(adapter.target_modules))
         return adapter
@@ -143,7 +144,7 @@ class LoraRegistry:
         model = self._model
         assert model is not None
         features = model.lora_features()
-        file = read_adapter(directory, ModelDims(model.shape.layers, features), self.config.max_rank)
+        file = read_adapter(directory, ModelDims(model.shape.layers, features), self.config.max_lora_rank)
         layers = build_layers(file, model.builder, model.shape.layers, features)
         return LoadedAdapter(name, next(self._uids), str(directory), file.rank, file.scale, file.target_modules,
                              layers)
@@ -175,17 +176,18 @@ class LoraRegistry:
                     self._pins.pop(a.uid, None)
             self._trim()
 
-    def _trim(self) -> None:
-        """Evict least recently used adapters nobody uses while more than --max-loaded-loras are loaded (locked)."""
-        excess = len(self._loaded) - self.config.max_loaded
+    def _trim(self, keep: str | None = None) -> None:
+        """Evict least recently used adapters nobody uses (nor `keep`) while more than --max-loaded-loras are
+        loaded (locked)."""
+        excess = len(self._loaded) - self.config.max_loaded_loras
         for name, adapter in list(self._loaded.items()):
             if excess <= 0:
                 break
-            if self._pins.get(adapter.uid, 0) == 0:
+            if self._pins.get(adapter.uid, 0) == 0 and name != keep:
                 del self._loaded[name]
                 excess -= 1
                 logger.info("LoRA adapter %r evicted (least recently used; --max-loaded-loras %d)", name,
-                            self.config.max_loaded)
+                            self.config.max_loaded_loras)
 
     def list(self) -> list[AdapterInfo]:
         with self._lock:

@@ -42,7 +42,8 @@ async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, templat
     """Check, render and tokenize; raises RequestError naming the field (FAILED_PRECONDITION without a template)."""
     info = engine.model_info
     rules.check_unbuilt(req)
-    rules.check_model(req.model, info.served_model_name)
+    adapter_ref, adapter_field = rules.check_model(req.model, info.served_model_name, req.lora_path)
+    adapter = await validation.resolve_adapter(engine.lora, adapter_ref, adapter_field)
     options = rules.chat_options(req, RESERVED_KWARGS)
     rules.check_capacity(options.n, capacity, "n")
     template.require()
@@ -71,8 +72,9 @@ async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, templat
         if error is not None:
             raise validation.invalid(constraint.field, error)
     logprobs = LogprobOptions(top_k=options.logprobs) if options.logprobs is not None else None
-    requests = engine_requests(rid, [prompt], [params], options.n, logprobs)
-    return ChatPlan(id=f"chatcmpl-{rid}", created=int(time.time()), model=info.served_model_name, options=options,
+    requests = engine_requests(rid, [prompt], [params], options.n, logprobs, adapter)
+    model = req.model if adapter else info.served_model_name  # "base:adapter" is answered as asked
+    return ChatPlan(id=f"chatcmpl-{rid}", created=int(time.time()), model=model, options=options,
                     prompt=prompt, requests=tuple(requests))
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from lmrpc.server.protocol import (
+    AdapterRef,
     EngineOutput,
     EngineRequest,
     Finish,
@@ -27,7 +28,7 @@ class EngineFailure(Exception):
 
 
 def engine_requests(rid: str, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], candidates: int,
-                    logprobs: LogprobOptions | None) -> list[EngineRequest]:
+                    logprobs: LogprobOptions | None, adapter: AdapterRef | None = None) -> list[EngineRequest]:
     """`candidates` outputs per prompt, prompt-major; candidate i is seeded seed + i (seeded samples must differ),
     and candidates 1.. reuse candidate 0's prompt pages (prefill shared through the prefix cache)."""
     out = []
@@ -37,7 +38,7 @@ def engine_requests(rid: str, prompts: Sequence[Sequence[int]], params: Sequence
             out.append(EngineRequest(
                 request_id=f"{rid}/{p}.{c}", rid=rid, index=p * candidates + c, prompt_ids=tuple(prompt),
                 params=replace(prompt_params, seed=seed, n=candidates), logprobs=logprobs,
-                share_prefill_with=None if c == 0 else f"{rid}/{p}.0",
+                share_prefill_with=None if c == 0 else f"{rid}/{p}.0", adapter=adapter,
             ))
     return out
 

@@ -37,7 +37,8 @@ async def plan(req: openai_pb2.CompleteRequest, engine: AsyncEngine, fim_tokens:
     """Check and tokenize; raises RequestError naming the field."""
     info = engine.model_info
     rules.check_unbuilt(req)
-    rules.check_model(req.model, info.served_model_name)
+    adapter_ref, adapter_field = rules.check_model(req.model, info.served_model_name, req.lora_path)
+    adapter = await validation.resolve_adapter(engine.lora, adapter_ref, adapter_field)
     options = rules.completion_options(req)
     num_prompts = len(req.prompt) or len(req.prompt_token_ids)
     rules.check_capacity(num_prompts * options.best_of, capacity, "best_of" if req.HasField("best_of") else "n")
@@ -64,8 +65,9 @@ async def plan(req: openai_pb2.CompleteRequest, engine: AsyncEngine, fim_tokens:
     scored = options.logprobs is not None or options.best_of > options.n  # best_of ranks by logprobs
     logprobs = LogprobOptions(start_len=0 if options.echo and options.logprobs is not None else -1,
                               top_k=options.logprobs or 0) if scored else None
-    requests = engine_requests(rid, prompts, params, options.best_of, logprobs)
-    return CompletionPlan(id=f"cmpl-{rid}", created=int(time.time()), model=info.served_model_name, options=options,
+    requests = engine_requests(rid, prompts, params, options.best_of, logprobs, adapter)
+    model = req.model if adapter else info.served_model_name  # "base:adapter" is answered as asked
+    return CompletionPlan(id=f"cmpl-{rid}", created=int(time.time()), model=model, options=options,
                           prompts=prompts, echo_texts=echo_texts, requests=tuple(requests))
 
 

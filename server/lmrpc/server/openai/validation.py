@@ -22,7 +22,7 @@ OpenAIRequest = Union[openai_pb2.CompleteRequest, openai_pb2.ChatCompleteRequest
 ToolMode = Literal["none", "auto", "required", "function"]
 
 COMPLETE_MAX_TOKENS = 16  # OpenAI's default for completions; chat's default is what the context leaves
-UNBUILT_FIELDS = ("lora_path", "return_hidden_states", "return_routed_experts")
+UNBUILT_FIELDS = ("return_hidden_states", "return_routed_experts")
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # SamplingParams fields whose OpenAI names differ (the rest are spelled alike).
@@ -105,16 +105,23 @@ def check_unbuilt(req: OpenAIRequest) -> None:
     c.raise_if_any(grpc.StatusCode.UNIMPLEMENTED)
 
 
-def check_model(model: str, served: str) -> None:
-    """`model` names the served model (empty: it); adapters ("base:adapter") and other names are NOT_FOUND."""
-    if not model or model == served:
-        return
-    base, colon, adapter = model.partition(":")
-    if colon and base == served:
-        description = f"LoRA adapter {adapter!r} is not loaded (this server serves no adapters yet)"
-    else:
-        description = f"model {model!r} is not served here; the served model is {served!r}"
-    raise RequestError(grpc.StatusCode.NOT_FOUND, [Violation("model", description)])
+def check_model(model: str, served: str, lora_path: str) -> tuple[str, str]:
+    """`model` names the served model (empty: it), or "base:adapter" one of its LoRA adapters; other names are
+    NOT_FOUND. Returns (the adapter to run under, "" for none; the request field naming it), from model or
+    lora_path, which must agree when both name one."""
+    adapter, field = "", "model"
+    if model and model != served:
+        base, colon, adapter = model.partition(":")
+        if not colon or base != served or not adapter:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, [Violation(
+                "model", f"model {model!r} is not served here; the served model is {served!r} (or {served!r}:adapter "
+                         "for a LoRA adapter)")])
+    if lora_path:
+        if adapter and adapter != lora_path:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, [Violation(
+                "lora_path", f"names adapter {lora_path!r} while model names {adapter!r}: give one, or the same")])
+        adapter, field = lora_path, "lora_path"
+    return adapter, field
 
 
 def sampling_names(max_tokens_field: str) -> Callable[[str], str]:
