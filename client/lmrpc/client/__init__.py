@@ -16,6 +16,7 @@ from __future__ import annotations
 from lmrpc.client.client import DEFAULT_TARGET, AsyncClient, Client, channel_options, tls
 from lmrpc.client.convert import SamplingParamsLike, response_format, sampling_params_to_pb
 from lmrpc.client.errors import FieldViolation, LmrpcError
+from lmrpc.client.lora_calls import LoraAdapter
 from lmrpc.client.openai_convert import ChatParams, CompleteParams
 from lmrpc.client.openai_results import (
     ChatChoice,
@@ -71,6 +72,7 @@ __all__ = [
     "GenerateResult",
     "LmrpcError",
     "Load",
+    "LoraAdapter",
     "ModelInfo",
     "PositionLogprobs",
     "SamplingParamsLike",

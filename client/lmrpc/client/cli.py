@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--priority", type=int, metavar="P",
                      help="scheduling priority: lower is admitted first among waiting requests (default 0)")
     gen.add_argument("--custom-logit-processor", metavar="NAME", help="name of a server-registered logit processor")
+    gen.add_argument("--lora", action="append", metavar="ADAPTER",
+                     help="LoRA adapter (a loaded name, or a path under the server's --lora-root): once for every "
+                          "prompt, or once per prompt ('' for the base model)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per output (per message with --stream) instead of text")
     gen.set_defaults(command=cmd_generate)
@@ -150,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     abort.add_argument("rid", nargs="*", help="request ids to abort")
     abort.add_argument("--all", action="store_true", help="abort every request")
     abort.set_defaults(command=cmd_abort)
+
+    lora = sub.add_parser("lora", parents=[common], help="LoRA adapters: list, load or unload")
+    lora_sub = lora.add_subparsers(dest="lora_command", required=True)
+    lora_list = lora_sub.add_parser("list", help="the loaded adapters")
+    lora_list.add_argument("--json", action="store_true", help="print JSON")
+    lora_load = lora_sub.add_parser("load", help="load an adapter directory (server flag --enable-lora-admin)")
+    lora_load.add_argument("name", help="the name requests will give")
+    lora_load.add_argument("path", help="the adapter's directory, under the server's --lora-root")
+    lora_unload = lora_sub.add_parser("unload", help="unload an adapter (server flag --enable-lora-admin)")
+    lora_unload.add_argument("name", help="the loaded adapter's name")
+    lora.set_defaults(command=cmd_lora)
 
     cli_openai.add_parsers(sub, common)
     return parser
@@ -195,7 +209,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {
         "sampling_params": params, "rid": args.rid, "return_logprob": args.logprobs,
         "top_logprobs_num": args.top_logprobs, "logprob_start_len": args.logprob_start_len,
-        "custom_logit_processor": args.custom_logit_processor, "priority": args.priority,
+        "custom_logit_processor": args.custom_logit_processor, "priority": args.priority, "lora_path": args.lora,
     }
     prompts: list[str] = args.prompt
     text: str | list[str] = prompts[0] if len(prompts) == 1 else prompts
@@ -298,6 +312,24 @@ def cmd_health(client: Client, args: argparse.Namespace) -> int:
     status = client.health(args.service)
     print(status.name)
     return EXIT_OK if status is ServingStatus.SERVING else EXIT_FAILED
+
+
+def cmd_lora(client: Client, args: argparse.Namespace) -> int:
+    if args.lora_command == "load":
+        adapters = [client.load_lora_adapter(args.name, args.path)]
+    elif args.lora_command == "unload":
+        client.unload_lora_adapter(args.name)
+        return EXIT_OK
+    else:
+        adapters = client.list_lora_adapters()
+        if args.json:
+            for adapter in adapters:
+                print_json(adapter, sys.stdout)
+            return EXIT_OK
+    for a in adapters:
+        print(f"{a.name}\t{a.path}\trank {a.rank}\tscale {a.scale:g}\t{','.join(a.target_modules)}\t"
+              f"in use {a.in_use}")
+    return EXIT_OK
 
 
 def cmd_abort(client: Client, args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmrpc.client.convert import SamplingParamsLike, build_generate_request
 from lmrpc.client.errors import LmrpcError
+from lmrpc.client.lora_calls import AsyncLoraMethods, LoraMethods
 from lmrpc.client.openai_calls import AsyncOpenAIMethods, OpenAIMethods
 from lmrpc.client.results import GenerateDelta, GenerateResult, Load, ModelInfo, ServingStatus, merge
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc, openai_pb2_grpc
@@ -130,7 +131,7 @@ class _Base:
         }
 
 
-class Client(_Base, OpenAIMethods):
+class Client(_Base, OpenAIMethods, LoraMethods):
     """Synchronous client. Use as a context manager, or call close()."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, credentials: grpc.ChannelCredentials | None = None,
@@ -160,7 +161,7 @@ class Client(_Base, OpenAIMethods):
                  logprob_start_len: int | None = ..., top_logprobs_num: int = ...,
                  token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                  custom_logit_processor: str | None = ..., stream: Literal[False] = ...,
-                 priority: int | None = ...,
+                 priority: int | None = ..., lora_path: str | Sequence[str] | None = ...,
                  timeout: float | None = ..., metadata: Metadata | None = ...) -> list[GenerateResult]: ...
 
     @overload
@@ -171,7 +172,7 @@ class Client(_Base, OpenAIMethods):
                  logprob_start_len: int | None = ..., top_logprobs_num: int = ...,
                  token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                  custom_logit_processor: str | None = ..., stream: Literal[True],
-                 priority: int | None = ...,
+                 priority: int | None = ..., lora_path: str | Sequence[str] | None = ...,
                  timeout: float | None = ..., metadata: Metadata | None = ...) -> DeltaStream: ...
 
     def generate(self, text: str | Sequence[str] | None = None, *,
@@ -181,17 +182,18 @@ class Client(_Base, OpenAIMethods):
                  logprob_start_len: int | None = None, top_logprobs_num: int = 0,
                  token_ids_logprob: Sequence[int] | None = None, return_text_in_logprobs: bool = False,
                  custom_logit_processor: str | None = None, stream: bool = False,
-                 priority: int | None = None,
+                 priority: int | None = None, lora_path: str | Sequence[str] | None = None,
                  timeout: float | None = None,
                  metadata: Metadata | None = None) -> list[GenerateResult] | DeltaStream:
         """Generate from one prompt or a batch. stream=True: an iterator of deltas (leaving it early cancels the
         call); otherwise one merged result per output index, ordered by index. priority: lower is admitted first
-        among waiting requests (default 0)."""
+        among waiting requests (default 0). lora_path: the LoRA adapter of every prompt (a str), or one per prompt
+        ("" for the base model)."""
         request = build_generate_request(
             text, input_ids=input_ids, sampling_params=sampling_params, rid=rid, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority)
+            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority, lora_path=lora_path)
         deltas = self._generate_stream(request, self._call_kwargs(timeout, metadata))
         return deltas if stream else merge(deltas)
 
@@ -267,7 +269,7 @@ class Client(_Base, OpenAIMethods):
             raise LmrpcError.from_rpc_error(e) from None
 
 
-class AsyncClient(_Base, AsyncOpenAIMethods):
+class AsyncClient(_Base, AsyncOpenAIMethods, AsyncLoraMethods):
     """asyncio client (grpc.aio); create it inside the running event loop. Use `async with`, or await close()."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, credentials: grpc.ChannelCredentials | None = None,
@@ -297,7 +299,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
                        logprob_start_len: int | None = ..., top_logprobs_num: int = ...,
                        token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                        custom_logit_processor: str | None = ..., stream: Literal[False] = ...,
-                       priority: int | None = ...,
+                       priority: int | None = ..., lora_path: str | Sequence[str] | None = ...,
                        timeout: float | None = ..., metadata: Metadata | None = ...) -> list[GenerateResult]: ...
 
     @overload
@@ -308,7 +310,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
                        logprob_start_len: int | None = ..., top_logprobs_num: int = ...,
                        token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                        custom_logit_processor: str | None = ..., stream: Literal[True],
-                       priority: int | None = ...,
+                       priority: int | None = ..., lora_path: str | Sequence[str] | None = ...,
                        timeout: float | None = ...,
                        metadata: Metadata | None = ...) -> AsyncDeltaStream: ...
 
@@ -319,7 +321,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
                        logprob_start_len: int | None = None, top_logprobs_num: int = 0,
                        token_ids_logprob: Sequence[int] | None = None, return_text_in_logprobs: bool = False,
                        custom_logit_processor: str | None = None, stream: bool = False,
-                       priority: int | None = None,
+                       priority: int | None = None, lora_path: str | Sequence[str] | None = None,
                        timeout: float | None = None,
                        metadata: Metadata | None = None) -> list[GenerateResult] | AsyncDeltaStream:
         """Like Client.generate. stream=True: `async for delta in await client.generate(..., stream=True)`."""
@@ -327,7 +329,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods):
             text, input_ids=input_ids, sampling_params=sampling_params, rid=rid, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority)
+            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority, lora_path=lora_path)
         deltas = self._generate_stream(request, self._call_kwargs(timeout, metadata))
         if stream:
             return deltas

@@ -114,6 +114,7 @@ def build_generate_request(
     custom_logit_processor: str | None,
     stream: bool,
     priority: int | None = None,
+    lora_path: str | Sequence[str] | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Build a GenerateRequest; a single prompt (str, or a flat list of ints) becomes a batch of one."""
     if (text is None) == (input_ids is None):
@@ -127,6 +128,8 @@ def build_generate_request(
     )
     if priority is not None:
         req.priority = priority
+    if lora_path is not None:
+        req.lora_path.extend([lora_path] if isinstance(lora_path, str) else lora_path)
     if text is not None:
         req.text.extend([text] if isinstance(text, str) else text)
     if input_ids is not None:

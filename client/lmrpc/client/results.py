@@ -192,6 +192,7 @@ class ModelInfo:
     device: str  # e.g. "cpu"
     quantization: str = "none"  # how the linear weights are stored: "none", "int8" or "int4"
     weight_formats: list[str] = field(default_factory=list)  # e.g. ["q4_1", "q8_0"]
+    lora_adapters: list[str] = field(default_factory=list)  # names of the loaded LoRA adapters (list_lora_adapters)
 
     @classmethod
     def from_pb(cls, pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
@@ -208,6 +209,7 @@ class ModelInfo:
             device=pb.device,
             quantization=pb.quantization or "none",
             weight_formats=list(pb.weight_formats),
+            lora_adapters=[a.name for a in pb.lora_adapters],
         )
 
 
