@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import signal
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,7 +44,7 @@ def lora_server(launch_server: Callable[..., RunningServer], tiny_llama_dir: Pat
     running = launch_server(
         "--model", str(tiny_llama_dir), "--dtype", "float32", "--sampling-defaults", "openai",
         "--lora-modules", f"m1={modules / 'm1'}", "--lora-root", str(root), "--max-loaded-loras", "2",
-        "--max-lora-rank", "16", "--enable-lora-admin", "--kv-cache-tokens", "16384")
+        "--max-lora-rank", "16", "--enable-lora-admin", "--kv-cache-tokens", "16384", "--metrics-port", "0")
     yield running
     running.process.send_signal(signal.SIGTERM)
     try:
@@ -83,6 +84,21 @@ def test_adapters_change_outputs_and_base_adapter_model_names_one(lc: Client) ->
     assert plain.choices[0].text == base.text
     assert [a.name for a in lc.list_lora_adapters()] == ["m1"]
     assert "m1" in lc.model_info().lora_adapters
+
+
+def test_metrics_count_requests_and_tokens_by_adapter(lc: Client, lora_server: RunningServer) -> None:
+    lc.generate(["x", "y"], sampling_params=GREEDY, lora_path="m1")
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://{lora_server.metrics_target}/metrics", timeout=10) as response:
+            return str(response.read().decode())
+
+    text = scrape()
+    lines = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line and not line.startswith("#")}
+    assert lines['lmrpc:lora_requests_total{adapter="m1"}'] >= 2
+    assert lines['lmrpc:lora_generation_tokens_total{adapter="m1"}'] >= 16
+    assert lines["lmrpc:lora_adapters_loaded"] >= 1
 
 
 def test_errors_name_the_problem_and_the_server_serves_on(lc: Client) -> None:

@@ -53,6 +53,7 @@ class OutputTimeline:
     finished: float | None = None  # the last output reached the servicer
     finish_reason: str | None = None  # FinishReason name, lower case ("eos", "length", ...)
     usage: Usage | None = None  # from the last output
+    adapter: str | None = None  # the LoRA adapter it ran under; None: the base model
 
     def update(self, out: EngineOutput, now: float) -> DeltaTimings:
         """Fold in one output received at `now`; return the timings it completes."""
@@ -119,7 +120,7 @@ class _EngineCollector:
         stats = self.stats() if self.stats is not None else None
         with self._counts.lock:
             prompt, cached = self._counts.prompt, self._counts.cached
-        running, waiting, paused, kv, prefix = self._families()
+        running, waiting, paused, kv, prefix, loras = self._families()
         if stats is not None:
             running.add_metric([], stats.num_running)
             waiting.add_metric([], stats.num_waiting)
@@ -127,8 +128,9 @@ class _EngineCollector:
             # Pages held by live sequences, not cached-only ones: the prefix cache keeps pages after a request
             # ends (they are evictable, so free for admission), and counting them would never return to 0.
             kv.add_metric([], stats.num_used_pages / stats.num_pages if stats.num_pages else 0.0)
+            loras.add_metric([], stats.num_loaded_adapters)
         prefix.add_metric([], cached / prompt if prompt else 0.0)
-        return [running, waiting, paused, kv, prefix] if stats is not None else [prefix]
+        return [running, waiting, paused, kv, prefix, loras] if stats is not None else [prefix]
 
     @staticmethod
     def _families() -> Iterator[GaugeMetricFamily]:
@@ -140,6 +142,7 @@ class _EngineCollector:
                                 "Share of KV-cache pages held by live outputs (cached-only pages count as free).")
         yield GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_ratio",
                                 "Prompt tokens served from the prefix cache / prompt tokens, over finished outputs.")
+        yield GaugeMetricFamily(f"{PREFIX}lora_adapters_loaded", "LoRA adapters held in memory.")
 
 
 class Metrics:
@@ -163,6 +166,11 @@ class Metrics:
                                          registry=r)
         self.requests = Counter(f"{PREFIX}requests_total", "Finished outputs by finish reason.", ["finish_reason"],
                                 registry=r)
+        self.lora_requests = Counter(f"{PREFIX}lora_requests_total", "Finished outputs run under a LoRA adapter.",
+                                     ["adapter"], registry=r)
+        self.lora_generation_tokens = Counter(f"{PREFIX}lora_generation_tokens_total",
+                                              "Tokens generated under a LoRA adapter by finished outputs.", ["adapter"],
+                                              registry=r)
         self._counts = _PromptCounts()
         self._engine = _EngineCollector(self._counts)
         r.register(self._engine)
@@ -188,6 +196,10 @@ class Metrics:
             self.e2e.observe(e2e)
         self.requests.labels(finish_reason=timeline.finish_reason or "unknown").inc()
         usage = timeline.usage
+        if timeline.adapter is not None:
+            self.lora_requests.labels(adapter=timeline.adapter).inc()
+            if usage is not None:
+                self.lora_generation_tokens.labels(adapter=timeline.adapter).inc(usage.completion_tokens)
         if usage is not None:
             self.prompt_tokens.inc(usage.prompt_tokens)
             self.generation_tokens.inc(usage.completion_tokens)

@@ -195,6 +195,7 @@ class EngineStats:
     num_used_pages: int  # pages referenced by live sequences
     num_cached_pages: int  # pages held only by the prefix cache
     num_paused: int = 0  # outputs not scheduled because their client has not read what they produced
+    num_loaded_adapters: int = 0  # LoRA adapters held in memory
 
 
 class EngineClient(Protocol):

@@ -212,7 +212,8 @@ class CallObserver:
 
     def queued(self, requests: Iterable[EngineRequest]) -> None:
         for r in requests:
-            self.timelines[r.request_id] = OutputTimeline(r.request_id, r.rid, self.arrival)
+            self.timelines[r.request_id] = OutputTimeline(r.request_id, r.rid, self.arrival,
+                                                          adapter=r.adapter.name if r.adapter is not None else None)
         if self.span.is_recording():
             self.span.add_event("queued", {"lmrpc.num_outputs": len(self.timelines)})
 

@@ -414,6 +414,7 @@ class Engine:
             num_used_pages=kv.num_used_pages,
             num_cached_pages=kv.num_cached_pages,
             num_paused=self.scheduler.num_paused,
+            num_loaded_adapters=len(self.lora.names()),
         )
 
 
