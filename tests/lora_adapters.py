@@ -16,7 +16,13 @@ def make_adapter(base: Path, out: Path, *, rank: int = 8, alpha: float = 16.0, s
                  targets: tuple[str, ...] = ALL_MODULES, rslora: bool = False, std: float = 0.05) -> Path:
     """Save a PEFT adapter of `base` in `out` with every lora_A and lora_B drawn at random (non-zero), so each
     targeted module's delta shows in the outputs."""
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return make_adapter_for(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), out, rank=rank,
+                            alpha=alpha, seed=seed, targets=targets, rslora=rslora, std=std)
+
+
+def make_adapter_for(model: PreTrainedModel, out: Path, *, rank: int = 8, alpha: float = 16.0, seed: int = 0,
+                     targets: tuple[str, ...] = ALL_MODULES, rslora: bool = False, std: float = 0.05) -> Path:
+    """make_adapter on a model already loaded (it is wrapped by peft in place: load a fresh one for reference)."""
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
                         lora_dropout=0.0, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
