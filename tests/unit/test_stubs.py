@@ -12,7 +12,9 @@ from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 # RPC name -> client method name.
 CLIENT_METHODS = {"Generate": "generate", "Abort": "abort", "GetModelInfo": "model_info",
-                  "Tokenize": "tokenize", "Detokenize": "detokenize", "GetLoad": "get_load"}
+                  "Tokenize": "tokenize", "Detokenize": "detokenize", "GetLoad": "get_load",
+                  "LoadLoraAdapter": "load_lora_adapter", "UnloadLoraAdapter": "unload_lora_adapter",
+                  "ListLoraAdapters": "list_lora_adapters"}
 
 
 def test_every_rpc_has_a_client_method() -> None:
