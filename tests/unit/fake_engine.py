@@ -17,10 +17,11 @@ from typing import cast
 
 import grpc
 
-from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
+from lmrpc.server.config import EngineConfig, LoraConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.load import LoadTracker
+from lmrpc.server.lora.registry import LoraRegistry
 from lmrpc.server.metrics import Metrics
 from lmrpc.server.protocol import (
     EngineOutput,
@@ -53,6 +54,8 @@ class FakeEngine:
     on_generate: list[Callable[[], None]] = field(default_factory=list)  # run inside each generate (span probes)
     failure: str | None = None  # AsyncEngine.failure: set, calls are refused UNAVAILABLE
     load_tracker: LoadTracker = field(default_factory=LoadTracker)  # what GetLoad and ORCA reports read
+    # no adapters can load (no model): lora_path is NOT_FOUND, GetModelInfo lists none
+    lora: LoraRegistry = field(default_factory=lambda: LoraRegistry(LoraConfig(), None))
 
     max_running: int = 1_000  # live requests beyond the first max_running count as queued, not running
 

@@ -19,11 +19,12 @@ from typing import cast
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
+from lmrpc.server.config import EngineConfig, LoraConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.detokenizer import OutputProcessor
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.load import LoadTracker
+from lmrpc.server.lora.registry import LoraRegistry
 from lmrpc.server.openai.service import OpenAIService
 from lmrpc.server.protocol import (
     Constraint,
@@ -79,6 +80,8 @@ class ScriptedEngine:
     failure: str | None = None  # AsyncEngine.failure: set, calls are refused UNAVAILABLE
     running_by_client: dict[str, int] = field(default_factory=dict)  # nobody counted: no per-client cap reached
     load_tracker: LoadTracker = field(default_factory=LoadTracker)  # what ORCA reports read
+    # no adapters can load (no model): lora_path is NOT_FOUND, GetModelInfo lists none
+    lora: LoraRegistry = field(default_factory=lambda: LoraRegistry(LoraConfig(), None))
 
     def __post_init__(self) -> None:
         self.grammar = _TokenBytes(self.tokenizer)
