@@ -198,6 +198,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         device=str(device),
         quantization=_quantization_name(formats),
         weight_formats=formats,
+        hidden_size=int(hf_config.hidden_size),
+        accepts_embeddings=bool(model.accepts_embeddings),
     )
     return LoadedModel(model, tokenizer, info)
 
