@@ -83,13 +83,10 @@ def test_invalid_argument_names_field_and_server_keeps_serving(client: Client) -
     assert ok.finish is not None and ok.finish.reason in (FinishReason.LENGTH, FinishReason.EOS)
 
 
-@pytest.mark.parametrize("field", ["return_routed_experts", "lora_path"])
+@pytest.mark.parametrize("field", ["lora_path"])
 def test_unbuilt_features_are_unimplemented_not_ignored(server, field: str) -> None:
     request = generate_pb2.GenerateRequest(text=["hi"])
-    if field == "lora_path":
-        request.lora_path.append("adapter")
-    else:
-        setattr(request, field, True)
+    request.lora_path.append("adapter")
     with grpc.insecure_channel(server.target) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
@@ -142,3 +139,15 @@ def test_hidden_states_through_the_server(server) -> None:
     assert all(len(v) == 576 for v in full)
     assert vectors(streamed) == full
     assert vectors([last]) == full[-1:]
+
+
+def test_routed_experts_on_a_dense_model_are_invalid(server) -> None:
+    request = generate_pb2.GenerateRequest(text=["hi"], return_routed_experts=True)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request))
+        info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "return_routed_experts" in (err.value.details() or "") and "no experts" in (err.value.details() or "")
+    assert not info.HasField("experts")

@@ -139,6 +139,7 @@ class EngineRequest:
     # never a prefix-cache key) so that lengths, positions and usage stay token-shaped
     prompt_embeds: PromptEmbeddings | None = None
     hidden_states: HiddenStatesMode | None = None  # return final-layer normalized hidden states; None: don't
+    routed_experts_from: int | None = None  # return routed experts from this position on; None: don't
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,27 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """The experts some consecutive positions were routed to."""
+
+    start_position: int  # position of the first row
+    num_positions: int  # rows
+    data: bytes  # int32 little-endian [num_positions, moe layers, top_k], best expert first
+
+    def __post_init__(self) -> None:
+        assert self.num_positions >= 1 and len(self.data) % (4 * self.num_positions) == 0
+
+
+@dataclass(frozen=True)
+class ExpertsInfo:
+    """A mixture-of-experts model's routing layout."""
+
+    num_layers: int  # layers with experts
+    num_experts: int  # experts per layer
+    top_k: int  # experts per token per layer
+
+
+@dataclass(frozen=True)
 class EngineOutput:
     """What is new for one output since its previous EngineOutput (deltas)."""
 
@@ -182,6 +204,7 @@ class EngineOutput:
     # new final-layer normalized hidden states, one float32 little-endian [hidden] row per position, in position
     # order, continuing where the previous output stopped (EngineRequest.hidden_states)
     hidden_states: tuple[bytes, ...] = ()
+    routed_experts: RoutedExperts | None = None  # new positions' routed experts, when asked for and any are new
     # time.monotonic() when the engine first scheduled the output (its queue time ends there); None until then,
     # and on outputs that never reached the model (rejected, aborted while waiting, max_new_tokens == 0)
     scheduled_at: float | None = None
@@ -205,6 +228,7 @@ class ModelInfo:
     weight_formats: tuple[str, ...] = ()  # storage formats among the linear weights, e.g. ("q4_1", "q8_0")
     hidden_size: int = 0  # width of the hidden state (and of input_embeds rows)
     accepts_embeddings: bool = False  # the model can take a prompt as embeddings (our native implementations)
+    experts: ExpertsInfo | None = None  # None: a dense model
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ from lmrpc.server.frontend import Frontend
 from lmrpc.server.protocol import (
     EngineOutput,
     EngineRequest,
+    ExpertsInfo,
     LogprobOptions,
     PositionLogprobs,
     PromptEmbeddings,
+    RoutedExperts,
     TokenLogprob,
 )
 from lmrpc.server.telemetry import CallObserver
@@ -40,6 +42,7 @@ class _Merged:
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)  # per output token
     input_logprobs: list[PositionLogprobs] = field(default_factory=list)  # prompt logprobs
     hidden_states: list[bytes] = field(default_factory=list)  # hidden-state rows in position order
+    routed: list[RoutedExperts] = field(default_factory=list)  # routed-expert pieces in position order
 
 
 def _token_pb(t: TokenLogprob) -> generate_pb2.TokenLogprob:
@@ -58,6 +61,15 @@ def _position_pb(p: PositionLogprobs) -> generate_pb2.PositionLogprobs:
 def _hidden_pb(rows: tuple[bytes, ...] | list[bytes]) -> list[generate_pb2.Embedding]:
     """float32 little-endian rows -> Embedding messages (the values as sent: float32 on the wire too)."""
     return [generate_pb2.Embedding(values=np.frombuffer(r, dtype="<f4").tolist()) for r in rows]
+
+
+def _routed_pb(pieces: list[RoutedExperts], info: ExpertsInfo | None) -> generate_pb2.RoutedExperts | None:
+    """Consecutive pieces -> one RoutedExperts message [positions, moe layers, top_k] (None: no pieces)."""
+    if not pieces or info is None:
+        return None
+    rows = sum(p.num_positions for p in pieces)
+    return generate_pb2.RoutedExperts(data=b"".join(p.data for p in pieces), shape=[rows, info.num_layers, info.top_k],
+                                      start_position=pieces[0].start_position)
 
 
 def _finish_fields(out: EngineOutput, msg: generate_pb2.GenerateResponse) -> None:
@@ -90,6 +102,8 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         num_prompts = validation.check_shape(req)
         info = self.engine.model_info
         hidden = validation.hidden_states_mode(req, info)
+        routed_from = validation.routed_experts_from(req, info,
+                                                     self.frontend.engine_config.enable_return_routed_experts)
         embeds: list[PromptEmbeddings | None] = [None] * num_prompts
         if req.text:
             tokenizer = self.engine.tokenizer
@@ -140,7 +154,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                     request_id=request_id, rid=rid, index=i * params.n + s, prompt_ids=tuple(prompt),
                     params=replace(params, seed=seed), logprobs=logprobs,
                     share_prefill_with=None if s == 0 else f"{rid}/0", prompt_embeds=embeds[i],
-                    hidden_states=hidden,
+                    hidden_states=hidden, routed_experts_from=routed_from,
                 ))
         return out
 
@@ -177,6 +191,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         if default_rid:
             await context.send_initial_metadata((("x-request-id", default_rid),))
         by_id = {r.request_id: r for r in engine_requests}
+        experts = self.engine.model_info.experts
         merged = {r.request_id: _Merged(r.index, r.rid) for r in engine_requests}
         async for out in self.engine.generate(engine_requests):
             call.output(out)
@@ -187,6 +202,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                     output_logprobs=[_position_pb(p) for p in out.output_logprobs],
                     input_logprobs=[_position_pb(p) for p in out.input_logprobs],
                     hidden_states=_hidden_pb(out.hidden_states),
+                    routed_experts=_routed_pb([out.routed_experts] if out.routed_experts else [], experts),
                 )
                 _finish_fields(out, msg)
                 yield msg
@@ -197,12 +213,15 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             m.output_logprobs.extend(out.output_logprobs)
             m.input_logprobs.extend(out.input_logprobs)
             m.hidden_states.extend(out.hidden_states)
+            if out.routed_experts is not None:
+                m.routed.append(out.routed_experts)
             if out.finish is not None:
                 msg = generate_pb2.GenerateResponse(
                     index=m.index, rid=m.rid, text="".join(m.text), token_ids=m.token_ids,
                     output_logprobs=[_position_pb(p) for p in m.output_logprobs],
                     input_logprobs=[_position_pb(p) for p in m.input_logprobs],
                     hidden_states=_hidden_pb(m.hidden_states),
+                    routed_experts=_routed_pb(m.routed, experts),
                 )
                 _finish_fields(out, msg)
                 yield msg
@@ -249,6 +268,9 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             architecture=info.architecture, dtype=info.dtype, device=info.device, quantization=info.quantization,
             weight_formats=info.weight_formats, hidden_size=info.hidden_size,
             accepts_input_embeds=info.accepts_embeddings,
+            experts=None if info.experts is None else generate_pb2.ExpertsInfo(
+                num_layers=info.experts.num_layers, num_experts=info.experts.num_experts, top_k=info.experts.top_k,
+                return_enabled=self.frontend.engine_config.enable_return_routed_experts),
         )
 
     async def Tokenize(

@@ -24,7 +24,7 @@ from lmrpc.v1 import generate_pb2
 MAX_TOP_LOGPROBS = 20
 # Request fields of features not built yet: using one is answered UNIMPLEMENTED, never ignored.
 UNBUILT_FIELDS = (
-    "image_data", "audio_data", "lora_path", "return_routed_experts",
+    "image_data", "audio_data", "lora_path",
 )
 OPENAI_DEFAULTS: dict[str, float] = {
     "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -192,6 +192,24 @@ def hidden_states_mode(req: generate_pb2.GenerateRequest, info: ModelInfo) -> Hi
     return HiddenStatesMode.LAST if mode == generate_pb2.HIDDEN_STATES_MODE_LAST else HiddenStatesMode.ALL
 
 
+def routed_experts_from(req: generate_pb2.GenerateRequest, info: ModelInfo, enabled: bool) -> int | None:
+    """return_routed_experts and routed_experts_start_len -> the first position to return (None: not asked).
+    A dense model is INVALID_ARGUMENT; a server without --enable-return-routed-experts, FAILED_PRECONDITION."""
+    c = Collector()
+    c.check(req.return_routed_experts or not req.HasField("routed_experts_start_len"), "routed_experts_start_len",
+            "applies only with return_routed_experts")
+    c.check(not req.return_routed_experts or info.experts is not None, "return_routed_experts",
+            f"this model ({info.architecture}) has no experts: routed experts exist only for mixture-of-experts "
+            "models")
+    c.raise_if_any()
+    if not req.return_routed_experts:
+        return None
+    c.check(enabled, "--enable-return-routed-experts",
+            "this server was started without --enable-return-routed-experts, so it does not return routed experts")
+    c.raise_if_any(grpc.StatusCode.FAILED_PRECONDITION)
+    return req.routed_experts_start_len if req.HasField("routed_experts_start_len") else 0
+
+
 def check_prompt(ids: list[int], index: int, info: ModelInfo, req: generate_pb2.GenerateRequest) -> None:
     c = Collector()
     if not req.input_embeds:  # embeddings prompts were checked by check_embeddings; their ids are placeholders
@@ -199,6 +217,10 @@ def check_prompt(ids: list[int], index: int, info: ModelInfo, req: generate_pb2.
     if req.HasField("logprob_start_len"):
         k = req.logprob_start_len
         c.check(-1 <= k <= len(ids), "logprob_start_len", f"must be in [-1, {len(ids)}] (prompt length), got {k}")
+    if req.return_routed_experts and req.HasField("routed_experts_start_len"):
+        k = req.routed_experts_start_len
+        c.check(0 <= k <= len(ids), "routed_experts_start_len",
+                f"must be in [0, {len(ids)}] (prompt length), got {k}")
     for t in req.token_ids_logprob:
         c.check(0 <= t < info.vocab_size, "token_ids_logprob", f"token id {t} outside [0, {info.vocab_size})")
     c.raise_if_any()

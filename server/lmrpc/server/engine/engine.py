@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from lmrpc.server.config import EngineConfig
-from lmrpc.server.engine import hidden_states
+from lmrpc.server.engine import hidden_states, routed_experts
 from lmrpc.server.engine.detokenizer import OutputProcessor, decode_token
 from lmrpc.server.engine.executor import ForwardOutput, HiddenRows, ModelExecutor, PromptLogits
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
@@ -195,6 +195,10 @@ class Engine:
         self.scheduler.on_computed(batch)
         self._record_prompt_logprobs(forward.prompt_logits)
         self._record_hidden(forward.hidden)
+        for rows in forward.routed:
+            routed_live = self._live.get(rows.seq.request_id)
+            if routed_live is not None:
+                routed_experts.record(routed_live, rows)
         results = self._resample_rejected(sampling, forward, self._sample(sampling, forward, masks))
         for live, result in zip(sampling, results, strict=True):
             self._update(live, result)
@@ -395,6 +399,7 @@ class Engine:
             finish=finish,
             usage=_usage(seq) if finish is not None else None,
             hidden_states=hidden_states.take(live, finish is not None),
+            routed_experts=routed_experts.take(live),
             scheduled_at=live.scheduled_at,
         )
         live.pending_tokens, live.pending_text, live.pending_logprobs = [], [], []

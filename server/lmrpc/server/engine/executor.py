@@ -43,10 +43,20 @@ class HiddenRows:
 
 
 @dataclass(frozen=True)
+class RoutedRows:
+    """The experts some of one chunk's positions were routed to, for a request that asked for them."""
+
+    seq: Sequence  # whose positions
+    first_position: int  # position of row 0
+    experts: torch.Tensor  # [k, moe layers, top_k] int32
+
+
+@dataclass(frozen=True)
 class ForwardOutput:
     logits: torch.Tensor  # [num_sampling_chunks, vocab] float32, one row per chunk with `samples`, batch order
     prompt_logits: tuple[PromptLogits, ...]  # for chunks of sequences asking for prompt logprobs
     hidden: tuple[HiddenRows, ...] = ()  # for chunks of sequences asking for hidden states
+    routed: tuple[RoutedRows, ...] = ()  # for chunks of sequences asking for routed experts
 
 
 class ModelExecutor:
@@ -105,14 +115,20 @@ class ModelExecutor:
         ctx = ForwardContext(self.attention, self.attention.plan(chunks, position_tensor))
         id_tensor = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
         inputs = self._input_embeds(batch, id_tensor) if embedded else None  # [T, hidden]
-        hidden = self.model.forward(id_tensor, ctx, inputs)  # [T, hidden]
+        routed: tuple[RoutedRows, ...] = ()
+        if any(c.seq.request.routed_experts_from is not None for c in batch.chunks):
+            forward_routed = getattr(self.model, "forward_routed")  # noqa: B009  (validation: an MoE model)
+            hidden, experts = forward_routed(id_tensor, ctx, inputs)  # [T, hidden], [T, moe layers, top_k]
+            routed = _routed_rows(batch, experts)
+        else:
+            hidden = self.model.forward(id_tensor, ctx, inputs)  # [T, hidden]
         rows, prompt_spans = self._rows(batch)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [len(rows), vocab]
         sampling = logits[: sum(c.samples for c in batch.chunks)]
         prompt = tuple(
             PromptLogits(seq, first, logits[offset : offset + n]) for seq, first, offset, n in prompt_spans
         )
-        return ForwardOutput(sampling, prompt, self._hidden(batch, hidden))
+        return ForwardOutput(sampling, prompt, self._hidden(batch, hidden), routed)
 
     def _hidden(self, batch: ScheduledBatch, hidden: torch.Tensor) -> tuple[HiddenRows, ...]:
         """hidden [T, hidden] -> the normalized rows of the chunks whose requests ask for hidden states: all their
@@ -176,6 +192,18 @@ class ModelExecutor:
             out.append((c.seq, first, offset, count))
             offset += count
         return torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=self.device), out
+
+
+def _routed_rows(batch: ScheduledBatch, experts: torch.Tensor) -> tuple[RoutedRows, ...]:
+    """experts [T, moe layers, top_k] -> the rows of the chunks whose requests ask for them (the engine keeps the
+    positions from the request's start it has not had)."""
+    out: list[RoutedRows] = []
+    row = 0
+    for c in batch.chunks:
+        if c.seq.request.routed_experts_from is not None:
+            out.append(RoutedRows(c.seq, c.start, experts[row : row + c.num_tokens].cpu()))
+        row += c.num_tokens
+    return tuple(out)
 
 
 def _embedded_span(c: ScheduledChunk) -> tuple[int, int]:

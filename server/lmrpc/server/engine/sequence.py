@@ -98,6 +98,8 @@ class Sequence:
         if self.request.hidden_states is HiddenStatesMode.ALL:
             return 0  # every prompt position's hidden state is returned, so every position is computed
         limit = self.num_tokens - 1
+        if self.request.routed_experts_from is not None:
+            limit = min(limit, self.request.routed_experts_from)  # routed positions must be computed
         lp = self.request.logprobs
         if lp is not None and lp.start_len >= 0:
             limit = min(limit, max(lp.start_len - 1, 0))

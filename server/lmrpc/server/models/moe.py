@@ -25,6 +25,7 @@ from lmrpc.server.models.linear import LinearLayer
 from lmrpc.server.models.llama import Layer, LlamaForCausalLM
 from lmrpc.server.models.quantized import LinearBuilder
 from lmrpc.server.models.weights import WeightSource, stack_rows
+from lmrpc.server.protocol import ExpertsInfo
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         )
         return MoEDecoderLayer(i, a.input_norm, a.post_attention_norm, a.qk_norm, a.qkv, a.o, mlp,
                                self._routing_sink)
+
+    def experts_info(self) -> ExpertsInfo:
+        return ExpertsInfo(len(self.experts.sparse_layers), self.experts.experts, self.experts.top_k)
 
     def forward_routed(self, input_ids: torch.Tensor, ctx: ForwardContext, input_embeds: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
