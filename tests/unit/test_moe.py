@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_tiny_moe
 from test_models import PagedRun
+from tiny_moe import save_tiny_moe
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from lmrpc.kernels import native

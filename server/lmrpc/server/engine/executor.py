@@ -108,7 +108,10 @@ class ModelExecutor:
             positions.extend(range(c.start, c.start + c.num_tokens))
         chunks = [ChunkSpec(c.start, c.num_tokens, c.seq.page_table) for c in batch.chunks]
         embedded = any(_embedded_span(c)[1] for c in batch.chunks)
-        if (self.graphs is not None and not embedded and len(ids) == len(chunks)
+        # A captured graph gives logits only: steps that need embeddings in, hidden states or routing out run eagerly.
+        extras = embedded or any(c.seq.request.hidden_states is not None
+                                 or c.seq.request.routed_experts_from is not None for c in batch.chunks)
+        if (self.graphs is not None and not extras and len(ids) == len(chunks)
                 and self.graphs.bucket_for(len(ids)) is not None):
             return ForwardOutput(self.graphs.run(ids, chunks), ())  # decodes only: a captured graph
         position_tensor = torch.tensor(positions, dtype=torch.int64)
