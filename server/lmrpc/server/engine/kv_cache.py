@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from lmrpc.server.engine.sequence import PageCopy, Sequence
 
-PageKey = tuple[int, tuple[int, ...]]  # (parent page in the cache or -1, the page's token ids)
+PageKey = tuple[int, tuple[int | bytes, ...]]  # (parent page in the cache or -1, the page's keys: Sequence.cache_keys)
 
 
 @dataclass(eq=False)
@@ -138,7 +138,7 @@ class KVCacheManager:
         if self.enable_prefix_cache:
             size = self.page_size
             for i in range(seq.max_cacheable_prompt_tokens // size):
-                key = (chain.parent.page if chain.parent else -1, tuple(seq.token_ids[i * size : (i + 1) * size]))
+                key = (chain.parent.page if chain.parent else -1, tuple(seq.cache_keys(i * size, (i + 1) * size)))
                 node = self._nodes.get(key)
                 if node is None:
                     break
@@ -154,7 +154,7 @@ class KVCacheManager:
     def _match_partial(self, seq: Sequence, chain: _Chain) -> None:
         """Copy the longest agreeing head of a cached child page into a fresh page (see the module doc)."""
         start = seq.num_computed_tokens
-        wanted = seq.token_ids[start : seq.max_cacheable_prompt_tokens]
+        wanted = seq.cache_keys(start, seq.max_cacheable_prompt_tokens)
         if not wanted:
             return
         best, best_len = None, 0
@@ -213,7 +213,7 @@ class KVCacheManager:
         full = min(seq.num_computed_tokens // size, len(seq.page_table))
         while chain.num_committed < full:
             i = chain.num_committed
-            key = (chain.parent.page if chain.parent else -1, tuple(seq.token_ids[i * size : (i + 1) * size]))
+            key = (chain.parent.page if chain.parent else -1, tuple(seq.cache_keys(i * size, (i + 1) * size)))
             node = self._nodes.get(key)
             if node is None:
                 page = seq.page_table[i]
@@ -246,7 +246,7 @@ class KVCacheManager:
                 or chain.num_committed != index or seq in self._pending_copies):
             return
         page = seq.page_table[index]
-        key = (chain.parent.page if chain.parent else -1, tuple(seq.token_ids[index * size : index * size + filled]))
+        key = (chain.parent.page if chain.parent else -1, tuple(seq.cache_keys(index * size, index * size + filled)))
         if page in self._node_of_page or key in self._nodes or self._seq_refs[page] != 1:
             return  # already cached, an identical tail is, or another sequence still writes this page
         self._insert(key, page, chain.parent)
@@ -260,7 +260,7 @@ class KVCacheManager:
         assert len(self._free) + used + cached_only == self.num_pages
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def _common_prefix(a: tuple[int | bytes, ...], b: list[int | bytes]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):  # b may be longer or shorter than the page
         if x != y:
