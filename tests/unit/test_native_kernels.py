@@ -217,3 +217,23 @@ def test_the_portable_build_gives_the_same_guarantees(tmp_path: os.PathLike[str]
     )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next_start(tmp_path: os.PathLike[str]) -> None:
+    """torch's build lock is a file: a server killed while compiling leaves it, and the next start used to wait for
+    it forever. A copy of this machine's built kernels with such a file beside them must still load."""
+    import shutil
+    from pathlib import Path
+
+    native.load()  # built (or found) in this process's cache first
+    key = native.build_key(native._arch())
+    built = native.cache_dir() / key
+    cache = Path(tmp_path) / "cache"
+    copy = cache / "kernels" / key
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "build.flock"))
+    (copy / "lock").touch()  # what a process killed mid-build leaves
+    script = "from lmrpc.kernels import native; assert native.load().native_bf16() in (True, False)"
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "LMRPC_CACHE": str(cache)},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (copy / "lock").exists()

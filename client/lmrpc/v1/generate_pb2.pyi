@@ -24,6 +24,42 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _HiddenStatesMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _HiddenStatesModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HiddenStatesMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    HIDDEN_STATES_MODE_UNSPECIFIED: _HiddenStatesMode.ValueType  # 0
+    """Same as HIDDEN_STATES_MODE_ALL."""
+    HIDDEN_STATES_MODE_ALL: _HiddenStatesMode.ValueType  # 1
+    """Every position the model computed for the output, in order: the prompt's positions 0 .. P-1, then each output
+    token but the last (prompt_tokens + completion_tokens - 1 vectors in all). The whole prompt is computed (no
+    prefix-cache reuse) so that every prompt position has one. Streamed messages carry only their new positions.
+    """
+    HIDDEN_STATES_MODE_LAST: _HiddenStatesMode.ValueType  # 2
+    """Only the last computed position, the one whose logits chose the last output token: exactly one vector, on the
+    last message of the output. The prefix cache is used as usual.
+    """
+
+class HiddenStatesMode(_HiddenStatesMode, metaclass=_HiddenStatesModeEnumTypeWrapper):
+    """HiddenStatesMode selects the positions whose hidden states an output returns. A position's hidden state is the
+    one that predicts the token after it, so the last sampled token has none (no step computed its position).
+    """
+
+HIDDEN_STATES_MODE_UNSPECIFIED: HiddenStatesMode.ValueType  # 0
+"""Same as HIDDEN_STATES_MODE_ALL."""
+HIDDEN_STATES_MODE_ALL: HiddenStatesMode.ValueType  # 1
+"""Every position the model computed for the output, in order: the prompt's positions 0 .. P-1, then each output
+token but the last (prompt_tokens + completion_tokens - 1 vectors in all). The whole prompt is computed (no
+prefix-cache reuse) so that every prompt position has one. Streamed messages carry only their new positions.
+"""
+HIDDEN_STATES_MODE_LAST: HiddenStatesMode.ValueType  # 2
+"""Only the last computed position, the one whose logits chose the last output token: exactly one vector, on the
+last message of the output. The prefix cache is used as usual.
+"""
+Global___HiddenStatesMode: _TypeAlias = HiddenStatesMode  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -96,6 +132,8 @@ class GenerateRequest(_message.Message):
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _builtins.int
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    HIDDEN_STATES_MODE_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_START_LEN_FIELD_NUMBER: _builtins.int
     return_logprob: _builtins.bool
     """Return log probabilities of the output tokens (and of the prompt from logprob_start_len). Default false."""
     logprob_start_len: _builtins.int
@@ -113,13 +151,29 @@ class GenerateRequest(_message.Message):
     Needs the server flag --enable-custom-logit-processor. Its arguments travel in SamplingParams.custom_params.
     """
     return_hidden_states: _builtins.bool
-    """Return the final hidden states. Not built yet: true is answered UNIMPLEMENTED."""
+    """Return final-layer hidden states: after the model's final norm, the float32 vectors the output projection reads
+    (GetModelInfoResponse.hidden_size wide), in GenerateResponse.hidden_states. Which positions: see
+    hidden_states_mode. Default false. Needs a native model (GetModelInfoResponse.accepts_input_embeds).
+    """
     return_routed_experts: _builtins.bool
-    """Return routed expert ids of MoE models. Not built yet: true is answered UNIMPLEMENTED."""
+    """Return the experts each position was routed to, in GenerateResponse.routed_experts: for every position the
+    model computed (the prompt's from routed_experts_start_len, then each output token but the last, which no step
+    computed), as SGLang. Default false. Needs a mixture-of-experts model (GetModelInfoResponse.experts; a dense
+    model: INVALID_ARGUMENT) and the server flag --enable-return-routed-experts (else FAILED_PRECONDITION).
+    """
     priority: _builtins.int
     """Scheduling priority among waiting outputs: lower is admitted first, equal priorities in arrival order. Unset:
     0. Any int32. It orders the queue only: running outputs are not preempted for a lower number unless pages run
     out, and then the highest number (the newest among equals) gives its pages up first.
+    """
+    hidden_states_mode: Global___HiddenStatesMode.ValueType
+    """Which hidden states return_hidden_states returns. Unset (HIDDEN_STATES_MODE_UNSPECIFIED) means ALL. Setting it
+    without return_hidden_states is INVALID_ARGUMENT.
+    """
+    routed_experts_start_len: _builtins.int
+    """First prompt position whose routed experts are returned with return_routed_experts. Unset: 0 (the whole
+    prompt); range [0, prompt length] (the prompt length: output positions only). Positions before it may come
+    from the prefix cache; later ones are computed. Setting it without return_routed_experts is INVALID_ARGUMENT.
     """
     @_builtins.property
     def text(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -131,7 +185,13 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def input_embeds(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptEmbeddings]:
-        """Prompts as embeddings, one entry per batch member. Not built yet: using it is answered UNIMPLEMENTED."""
+        """Prompts as embeddings, one entry per batch member: the rows the model's first layer reads instead of token
+        embeddings (GetModelInfoResponse.hidden_size wide). Each needs >= 1 position and fewer than max_context_length;
+        values must be finite. Prompt logprobs (logprob_start_len >= 0) are refused: there are no prompt tokens.
+        Output logprobs, n > 1 and structured output work as with token prompts. The prefix cache keys these positions
+        by a digest of each row's bytes, so a repeated embeddings prompt is a cache hit (usage.cached_tokens) and never
+        shares cached pages with a token prompt. Usage counts positions as prompt tokens.
+        """
 
     @_builtins.property
     def image_data(self) -> _containers.RepeatedCompositeFieldContainer[Global___MediaList]:
@@ -187,19 +247,25 @@ class GenerateRequest(_message.Message):
         return_hidden_states: _builtins.bool = ...,
         return_routed_experts: _builtins.bool = ...,
         priority: _builtins.int | None = ...,
+        hidden_states_mode: Global___HiddenStatesMode.ValueType = ...,
+        routed_experts_start_len: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_priority", b"_priority", "logprob_start_len", b"logprob_start_len", "priority", b"priority"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_priority", b"_priority", "_routed_experts_start_len", b"_routed_experts_start_len", "logprob_start_len", b"logprob_start_len", "priority", b"priority", "routed_experts_start_len", b"routed_experts_start_len"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_priority", b"_priority", "audio_data", b"audio_data", "custom_logit_processor", b"custom_logit_processor", "image_data", b"image_data", "input_embeds", b"input_embeds", "input_ids", b"input_ids", "logprob_start_len", b"logprob_start_len", "lora_path", b"lora_path", "priority", b"priority", "return_hidden_states", b"return_hidden_states", "return_logprob", b"return_logprob", "return_routed_experts", b"return_routed_experts", "return_text_in_logprobs", b"return_text_in_logprobs", "rid", b"rid", "sampling_params", b"sampling_params", "stream", b"stream", "text", b"text", "token_ids_logprob", b"token_ids_logprob", "top_logprobs_num", b"top_logprobs_num"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_priority", b"_priority", "_routed_experts_start_len", b"_routed_experts_start_len", "audio_data", b"audio_data", "custom_logit_processor", b"custom_logit_processor", "hidden_states_mode", b"hidden_states_mode", "image_data", b"image_data", "input_embeds", b"input_embeds", "input_ids", b"input_ids", "logprob_start_len", b"logprob_start_len", "lora_path", b"lora_path", "priority", b"priority", "return_hidden_states", b"return_hidden_states", "return_logprob", b"return_logprob", "return_routed_experts", b"return_routed_experts", "return_text_in_logprobs", b"return_text_in_logprobs", "rid", b"rid", "routed_experts_start_len", b"routed_experts_start_len", "sampling_params", b"sampling_params", "stream", b"stream", "text", b"text", "token_ids_logprob", b"token_ids_logprob", "top_logprobs_num", b"top_logprobs_num"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprob_start_len: _TypeAlias = _typing.Literal["logprob_start_len"]  # noqa: Y015
     _WhichOneofArgType__logprob_start_len: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len"]  # noqa: Y015
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType__routed_experts_start_len: _TypeAlias = _typing.Literal["routed_experts_start_len"]  # noqa: Y015
+    _WhichOneofArgType__routed_experts_start_len: _TypeAlias = _typing.Literal["_routed_experts_start_len", b"_routed_experts_start_len"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob_start_len) -> _WhichOneofReturnType__logprob_start_len | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_experts_start_len) -> _WhichOneofReturnType__routed_experts_start_len | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -236,7 +302,7 @@ class PromptEmbeddings(_message.Message):
     POSITIONS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def positions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
-        """One embedding per prompt position, each of the model's hidden size."""
+        """One embedding per prompt position, in order; at least one. Each has exactly hidden_size finite values."""
 
     def __init__(
         self,
@@ -599,11 +665,16 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def hidden_states(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
-        """Final-layer hidden states, one per position, when return_hidden_states is set."""
+        """Final-layer hidden states when return_hidden_states is set, one per position in position order (see
+        HiddenStatesMode for which): the new positions when streaming, all of them otherwise; the streamed pieces of an
+        index concatenate to the merged list.
+        """
 
     @_builtins.property
     def routed_experts(self) -> Global___RoutedExperts:
-        """Routed expert ids of MoE models, when return_routed_experts is set."""
+        """Routed expert ids of MoE models, when return_routed_experts is set: the new positions when streaming (the
+        streamed pieces of an index concatenate to the merged data), all of them otherwise.
+        """
 
     def __init__(
         self,
@@ -769,8 +840,13 @@ class RoutedExperts(_message.Message):
 
     DATA_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
+    START_POSITION_FIELD_NUMBER: _builtins.int
     data: _builtins.bytes
-    """The ids, flattened."""
+    """The ids, flattened row-major: position, then layer (the model's layers with experts, in order), then the top_k
+    experts chosen for it, best first. Each id in [0, num_experts).
+    """
+    start_position: _builtins.int
+    """The position (0 = first prompt token) of the first row of data."""
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The logical shape: [num_tokens, num_layers, top_k]."""
@@ -780,14 +856,49 @@ class RoutedExperts(_message.Message):
         *,
         data: _builtins.bytes = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
+        start_position: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "shape", b"shape", "start_position", b"start_position"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoutedExperts: _TypeAlias = RoutedExperts  # noqa: Y015
+
+@_typing.final
+class ExpertsInfo(_message.Message):
+    """ExpertsInfo describes a mixture-of-experts model's routing."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_LAYERS_FIELD_NUMBER: _builtins.int
+    NUM_EXPERTS_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    RETURN_ENABLED_FIELD_NUMBER: _builtins.int
+    num_layers: _builtins.int
+    """Layers with experts (the layer axis of RoutedExperts)."""
+    num_experts: _builtins.int
+    """Experts per layer: expert ids are in [0, num_experts)."""
+    top_k: _builtins.int
+    """Experts each token is routed to per layer."""
+    return_enabled: _builtins.bool
+    """Whether this server returns routed experts (its flag --enable-return-routed-experts)."""
+    def __init__(
+        self,
+        *,
+        num_layers: _builtins.int = ...,
+        num_experts: _builtins.int = ...,
+        top_k: _builtins.int = ...,
+        return_enabled: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_experts", b"num_experts", "num_layers", b"num_layers", "return_enabled", b"return_enabled", "top_k", b"top_k"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpertsInfo: _TypeAlias = ExpertsInfo  # noqa: Y015
 
 @_typing.final
 class AbortRequest(_message.Message):
@@ -875,6 +986,9 @@ class GetModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     QUANTIZATION_FIELD_NUMBER: _builtins.int
     WEIGHT_FORMATS_FIELD_NUMBER: _builtins.int
+    HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
+    ACCEPTS_INPUT_EMBEDS_FIELD_NUMBER: _builtins.int
+    EXPERTS_FIELD_NUMBER: _builtins.int
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Where the weights were loaded from (a directory or a GGUF file)."""
@@ -894,6 +1008,12 @@ class GetModelInfoResponse(_message.Message):
     """How the linear layers' weights are stored: "none" (dense, in dtype), "int8" or "int4" (weight-only
     quantization: activations, the KV cache and sums stay in dtype). Set by the server's --quantization.
     """
+    hidden_size: _builtins.int
+    """Width of the model's hidden state: the length of every input_embeds position. 0 from servers before it existed."""
+    accepts_input_embeds: _builtins.bool
+    """Whether the model takes prompts as input_embeds (native implementations do; the transformers fallback does
+    not). Default false.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The model's end-of-sequence token ids."""
@@ -908,6 +1028,10 @@ class GetModelInfoResponse(_message.Message):
         served as it is: "f32", "bf16", "q4_0", "q4_1" (4-bit codes in groups of 32), "q8_0" (8-bit in groups of 32),
         "int8" (8-bit per output channel).
         """
+
+    @_builtins.property
+    def experts(self) -> Global___ExpertsInfo:
+        """The model's experts; unset for a dense model."""
 
     @_builtins.property
     def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
@@ -927,11 +1051,14 @@ class GetModelInfoResponse(_message.Message):
         device: _builtins.str = ...,
         quantization: _builtins.str = ...,
         weight_formats: _abc.Iterable[_builtins.str] | None = ...,
+        hidden_size: _builtins.int = ...,
+        accepts_input_embeds: _builtins.bool = ...,
+        experts: Global___ExpertsInfo | None = ...,
         lora_adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["default_sampling_params", b"default_sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["default_sampling_params", b"default_sampling_params", "experts", b"experts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "default_sampling_params", b"default_sampling_params", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "lora_adapters", b"lora_adapters", "max_context_length", b"max_context_length", "model_path", b"model_path", "quantization", b"quantization", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size", "weight_formats", b"weight_formats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_input_embeds", b"accepts_input_embeds", "architecture", b"architecture", "default_sampling_params", b"default_sampling_params", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "experts", b"experts", "hidden_size", b"hidden_size", "lora_adapters", b"lora_adapters", "max_context_length", b"max_context_length", "model_path", b"model_path", "quantization", b"quantization", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size", "weight_formats", b"weight_formats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -12,12 +12,15 @@ the portable loops only (tests use it to check both paths).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -71,6 +74,26 @@ def enabled() -> bool:
     return os.environ.get("LMRPC_NATIVE_KERNELS", "1") != "0"
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One builder per cache directory, across processes, by an flock the kernel drops when its holder dies.
+
+    torch's own lock is a file that exists while a build runs: a process killed mid-build (SIGKILL, OOM, a pod
+    evicted during a cold start) leaves it behind, and every later start waits for it forever. Under this flock no
+    other of our processes is building here, so such a file is stale and is removed before torch looks at it.
+    """
+    with open(directory / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                logger.warning("removing a stale kernel build lock left by a process that died: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load() -> ModuleType:
     """Build (first time on this machine) and import the kernels module."""
@@ -87,14 +110,15 @@ def load() -> ModuleType:
     started = time.monotonic()
     fresh = not any(directory.glob("*.so"))
     try:
-        module = cpp_extension.load(
-            name=f"lmrpc_cpu_{key}",
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=_cflags(arch),
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(directory),
-            verbose=False,
-        )
+        with _build_lock(directory):
+            module = cpp_extension.load(
+                name=f"lmrpc_cpu_{key}",
+                sources=[str(CSRC / s) for s in SOURCES],
+                extra_cflags=_cflags(arch),
+                extra_include_paths=[str(CSRC)],
+                build_directory=str(directory),
+                verbose=False,
+            )
     except (RuntimeError, OSError, ImportError) as e:  # a compiler error, a missing ninja, a broken toolchain
         raise NativeKernelsUnavailable(f"building the CPU kernels failed: {e}") from e
     if fresh:

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Jinja chat template for ChatComplete, replacing the model's (needed for a model without one)")
     p.add_argument("--enable-custom-logit-processor", action="store_true",
                    help="let requests name a server-registered logit processor (e.g. disallowed_tokens)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="let requests ask for the experts each position was routed to (mixture-of-experts models)")
     p.add_argument("--max-running-requests", type=int, default=64, help="outputs decoded at once (64)")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="outputs waiting beyond the running ones before RESOURCE_EXHAUSTED (256)")
@@ -174,6 +176,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                       max_prefill_chunk=args.max_batched_tokens),
             sampling_defaults=args.sampling_defaults,
             enable_custom_logit_processor=args.enable_custom_logit_processor,
+            enable_return_routed_experts=args.enable_return_routed_experts,
             cuda_graph_max_batch=args.cuda_graph_max_batch,
             max_buffered_outputs=args.max_buffered_outputs,
             lora=LoraConfig(lora_modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank,

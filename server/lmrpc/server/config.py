@@ -104,6 +104,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling_defaults: SamplingDefaultsSource = "model"  # where unset temperature/top_p/top_k/min_p/rep. come from
     enable_custom_logit_processor: bool = False  # allow requests to name a registered logit processor
+    # allow requests to ask for the experts each position was routed to (MoE models): the routing is recorded
+    # every step it is asked for, and a request asking for it computes its positions from routed_experts_start_len
+    enable_return_routed_experts: bool = False
     # CUDA: decode steps of up to this many sequences replay CUDA graphs captured at warm-up; None: up to
     # scheduler.max_running_requests; 0: no graphs. Ignored on CPU.
     cuda_graph_max_batch: int | None = None

@@ -107,6 +107,31 @@ class AdapterRef(Protocol):
     def uid(self) -> int: ...  # unique per load: the prefix cache keys on it
 
 
+class HiddenStatesMode(enum.Enum):
+    """Which final-layer hidden states an output returns (GenerateRequest.hidden_states_mode)."""
+
+    ALL = 1  # every position the model computed for it: the prompt, then each output token but the last
+    LAST = 2  # only the last computed position (the one whose logits chose the last token), with the last output
+
+
+@dataclass(frozen=True)
+class PromptEmbeddings:
+    """A prompt given as embeddings instead of token ids: the rows the model's first layer reads."""
+
+    data: bytes  # float32 little-endian, [num_positions, hidden], validated finite
+    num_positions: int  # prompt length in positions (>= 1)
+    hidden: int  # row width: the model's hidden size
+    # one digest per position, of its row's bytes: the prefix cache's key for that position (bytes, so it can never
+    # equal a token id: an embeddings prompt never shares KV pages with a token prompt; pages chain on their parent,
+    # so a row's key only has to tell rows apart)
+    position_keys: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        assert self.num_positions >= 1 and self.hidden >= 1
+        assert len(self.data) == self.num_positions * self.hidden * 4
+        assert len(self.position_keys) == self.num_positions
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One output to generate: a prompt and its parameters. A call with b prompts and n samples makes b * n."""
@@ -121,6 +146,11 @@ class EngineRequest:
     priority: int = 0  # lower is admitted first among waiting outputs; ties in arrival order
     client: str = ""  # who asked (an API key's fingerprint, or the peer's address): per-client accounting
     adapter: AdapterRef | None = None  # the LoRA adapter it runs under; None: the base model
+    # The prompt as embeddings; then prompt_ids holds one placeholder id per position (never read by the model,
+    # never a prefix-cache key) so that lengths, positions and usage stay token-shaped
+    prompt_embeds: PromptEmbeddings | None = None
+    hidden_states: HiddenStatesMode | None = None  # return final-layer normalized hidden states; None: don't
+    routed_experts_from: int | None = None  # return routed experts from this position on; None: don't
 
 
 @dataclass(frozen=True)
@@ -151,6 +181,27 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """The experts some consecutive positions were routed to."""
+
+    start_position: int  # position of the first row
+    num_positions: int  # rows
+    data: bytes  # int32 little-endian [num_positions, moe layers, top_k], best expert first
+
+    def __post_init__(self) -> None:
+        assert self.num_positions >= 1 and len(self.data) % (4 * self.num_positions) == 0
+
+
+@dataclass(frozen=True)
+class ExpertsInfo:
+    """A mixture-of-experts model's routing layout."""
+
+    num_layers: int  # layers with experts
+    num_experts: int  # experts per layer
+    top_k: int  # experts per token per layer
+
+
+@dataclass(frozen=True)
 class EngineOutput:
     """What is new for one output since its previous EngineOutput (deltas)."""
 
@@ -161,6 +212,10 @@ class EngineOutput:
     input_logprobs: tuple[PositionLogprobs, ...] = ()  # prompt logprobs, in the first output only
     finish: Finish | None = None  # set on the last output only
     usage: Usage | None = None  # set on the last output only
+    # new final-layer normalized hidden states, one float32 little-endian [hidden] row per position, in position
+    # order, continuing where the previous output stopped (EngineRequest.hidden_states)
+    hidden_states: tuple[bytes, ...] = ()
+    routed_experts: RoutedExperts | None = None  # new positions' routed experts, when asked for and any are new
     # time.monotonic() when the engine first scheduled the output (its queue time ends there); None until then,
     # and on outputs that never reached the model (rejected, aborted while waiting, max_new_tokens == 0)
     scheduled_at: float | None = None
@@ -182,6 +237,9 @@ class ModelInfo:
     device: str  # e.g. "cpu"
     quantization: str = "none"  # "none", "int8" or "int4": how the linear weights are stored
     weight_formats: tuple[str, ...] = ()  # storage formats among the linear weights, e.g. ("q4_1", "q8_0")
+    hidden_size: int = 0  # width of the hidden state (and of input_embeds rows)
+    accepts_embeddings: bool = False  # the model can take a prompt as embeddings (our native implementations)
+    experts: ExpertsInfo | None = None  # None: a dense model
 
 
 @dataclass(frozen=True)

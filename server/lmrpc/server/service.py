@@ -8,17 +8,29 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import grpc
+import numpy as np
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.lora.errors import AdapterError
 from lmrpc.server.lora.registry import AdapterInfo, LoadedAdapter
-from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, TokenLogprob
+from lmrpc.server.protocol import (
+    EngineOutput,
+    EngineRequest,
+    ExpertsInfo,
+    LogprobOptions,
+    PositionLogprobs,
+    PromptEmbeddings,
+    RoutedExperts,
+    TokenLogprob,
+)
 from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+EMBEDDING_PLACEHOLDER_ID = 0  # the token id standing for each position of an embeddings prompt (never read)
 
 
 @dataclass
@@ -31,6 +43,8 @@ class _Merged:
     token_ids: list[int] = field(default_factory=list)  # token ids in order
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)  # per output token
     input_logprobs: list[PositionLogprobs] = field(default_factory=list)  # prompt logprobs
+    hidden_states: list[bytes] = field(default_factory=list)  # hidden-state rows in position order
+    routed: list[RoutedExperts] = field(default_factory=list)  # routed-expert pieces in position order
 
 
 def _token_pb(t: TokenLogprob) -> generate_pb2.TokenLogprob:
@@ -44,6 +58,20 @@ def _position_pb(p: PositionLogprobs) -> generate_pb2.PositionLogprobs:
     return generate_pb2.PositionLogprobs(
         chosen=_token_pb(p.chosen), top=[_token_pb(t) for t in p.top], requested=[_token_pb(t) for t in p.requested]
     )
+
+
+def _hidden_pb(rows: tuple[bytes, ...] | list[bytes]) -> list[generate_pb2.Embedding]:
+    """float32 little-endian rows -> Embedding messages (the values as sent: float32 on the wire too)."""
+    return [generate_pb2.Embedding(values=np.frombuffer(r, dtype="<f4").tolist()) for r in rows]
+
+
+def _routed_pb(pieces: list[RoutedExperts], info: ExpertsInfo | None) -> generate_pb2.RoutedExperts | None:
+    """Consecutive pieces -> one RoutedExperts message [positions, moe layers, top_k] (None: no pieces)."""
+    if not pieces or info is None:
+        return None
+    rows = sum(p.num_positions for p in pieces)
+    return generate_pb2.RoutedExperts(data=b"".join(p.data for p in pieces), shape=[rows, info.num_layers, info.top_k],
+                                      start_position=pieces[0].start_position)
 
 
 def _finish_fields(out: EngineOutput, msg: generate_pb2.GenerateResponse) -> None:
@@ -80,9 +108,18 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         validation.check_unbuilt(req)
         num_prompts = validation.check_shape(req)
         info = self.engine.model_info
+        hidden = validation.hidden_states_mode(req, info)
+        routed_from = validation.routed_experts_from(req, info,
+                                                     self.frontend.engine_config.enable_return_routed_experts)
+        embeds: list[PromptEmbeddings | None] = [None] * num_prompts
         if req.text:
             tokenizer = self.engine.tokenizer
             prompts = await asyncio.to_thread(lambda: [list(tokenizer.encode(t)) for t in req.text])
+        elif req.input_embeds:
+            embeds = list(await asyncio.to_thread(validation.check_embeddings, req, info))
+            # One placeholder id per position: lengths, positions and usage stay token-shaped; the model reads the
+            # rows instead, and the prefix cache keys these positions by the rows' digests (Sequence.cache_keys).
+            prompts = [[EMBEDDING_PLACEHOLDER_ID] * e.num_positions for e in embeds if e is not None]
         else:
             prompts = [list(ids.ids) for ids in req.input_ids]
         given: list[str | None] = list(req.rid) or ([default_rid] if num_prompts == 1 else [None] * num_prompts)
@@ -125,6 +162,8 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                     request_id=request_id, rid=rid, index=i * params.n + s, prompt_ids=tuple(prompt),
                     params=replace(params, seed=seed), logprobs=logprobs,
                     share_prefill_with=None if s == 0 else f"{rid}/0", adapter=adapter,
+                    prompt_embeds=embeds[i],
+                    hidden_states=hidden, routed_experts_from=routed_from,
                 ))
         return out
 
@@ -165,6 +204,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         if default_rid:
             await context.send_initial_metadata((("x-request-id", default_rid),))
         by_id = {r.request_id: r for r in engine_requests}
+        experts = self.engine.model_info.experts
         merged = {r.request_id: _Merged(r.index, r.rid) for r in engine_requests}
         async for out in self.engine.generate(engine_requests):
             call.output(out)
@@ -174,6 +214,8 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                     index=req.index, rid=req.rid, text=out.text, token_ids=out.token_ids,
                     output_logprobs=[_position_pb(p) for p in out.output_logprobs],
                     input_logprobs=[_position_pb(p) for p in out.input_logprobs],
+                    hidden_states=_hidden_pb(out.hidden_states),
+                    routed_experts=_routed_pb([out.routed_experts] if out.routed_experts else [], experts),
                 )
                 _finish_fields(out, msg)
                 yield msg
@@ -183,11 +225,16 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             m.token_ids.extend(out.token_ids)
             m.output_logprobs.extend(out.output_logprobs)
             m.input_logprobs.extend(out.input_logprobs)
+            m.hidden_states.extend(out.hidden_states)
+            if out.routed_experts is not None:
+                m.routed.append(out.routed_experts)
             if out.finish is not None:
                 msg = generate_pb2.GenerateResponse(
                     index=m.index, rid=m.rid, text="".join(m.text), token_ids=m.token_ids,
                     output_logprobs=[_position_pb(p) for p in m.output_logprobs],
                     input_logprobs=[_position_pb(p) for p in m.input_logprobs],
+                    hidden_states=_hidden_pb(m.hidden_states),
+                    routed_experts=_routed_pb(m.routed, experts),
                 )
                 _finish_fields(out, msg)
                 yield msg
@@ -233,6 +280,11 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             ),
             architecture=info.architecture, dtype=info.dtype, device=info.device, quantization=info.quantization,
             weight_formats=info.weight_formats, lora_adapters=[_adapter_pb(a) for a in self.engine.lora.list()],
+            hidden_size=info.hidden_size,
+            accepts_input_embeds=info.accepts_embeddings,
+            experts=None if info.experts is None else generate_pb2.ExpertsInfo(
+                num_layers=info.experts.num_layers, num_experts=info.experts.num_experts, top_k=info.experts.top_k,
+                return_enabled=self.frontend.engine_config.enable_return_routed_experts),
         )
 
     # ---- LoRA adapters ---------------------------------------------------------------------------------------------

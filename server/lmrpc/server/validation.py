@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import numpy as np
 from google.protobuf import any_pb2, duration_pb2, json_format
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from lmrpc.server.embeddings import prompt_embeddings
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
-from lmrpc.server.protocol import Constraint, ModelInfo, SamplingParams
+from lmrpc.server.protocol import Constraint, HiddenStatesMode, ModelInfo, PromptEmbeddings, SamplingParams
 from lmrpc.v1 import generate_pb2
 
 if TYPE_CHECKING:
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 MAX_TOP_LOGPROBS = 20
 # Request fields of features not built yet: using one is answered UNIMPLEMENTED, never ignored.
 UNBUILT_FIELDS = (
-    "input_embeds", "image_data", "audio_data", "return_hidden_states", "return_routed_experts",
+    "image_data", "audio_data",
 )
 _ADAPTER_CODES = {
     AdapterErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
@@ -124,11 +126,12 @@ def check_unbuilt(req: generate_pb2.GenerateRequest) -> None:
 def check_shape(req: generate_pb2.GenerateRequest) -> int:
     """Request shape; returns the number of prompts."""
     c = Collector()
-    kinds = [k for k in ("text", "input_ids") if len(getattr(req, k))]
+    kinds = [k for k in ("text", "input_ids", "input_embeds") if len(getattr(req, k))]
     c.check(len(kinds) == 1, "text" if not kinds else kinds[1] if len(kinds) > 1 else kinds[0],
-            "give exactly one of text or input_ids" if kinds else "no prompt: set text or input_ids")
+            f"give exactly one of text, input_ids or input_embeds, got {' and '.join(kinds)}" if kinds
+            else "no prompt: set text, input_ids or input_embeds")
     c.raise_if_any()
-    n = len(req.text) or len(req.input_ids)
+    n = len(req.text) or len(req.input_ids) or len(req.input_embeds)
     for i, ids in enumerate(req.input_ids):
         c.check(len(ids.ids) > 0, f"input_ids[{i}]", "must not be empty")
     for i, text in enumerate(req.text):
@@ -156,12 +159,83 @@ def check_prompt_ids(c: Collector, ids: list[int], field: str, info: ModelInfo) 
             f"prompt has {len(ids)} tokens; the context holds {info.max_context_length}")
 
 
+def check_embeddings(req: generate_pb2.GenerateRequest, info: ModelInfo) -> list[PromptEmbeddings]:
+    """input_embeds: each prompt >= 1 position, every position the model's hidden size, finite values, room in the
+    context for one token; a model that takes embeddings; no prompt logprobs (an embeddings prompt has no tokens)."""
+    c = Collector()
+    c.check(info.accepts_embeddings, "input_embeds",
+            f"this model ({info.architecture}) runs on the transformers fallback, which takes token prompts only")
+    c.check(not (req.return_logprob and req.HasField("logprob_start_len") and req.logprob_start_len >= 0),
+            "logprob_start_len", "prompt logprobs need prompt tokens; an input_embeds prompt has none (use -1)")
+    c.raise_if_any()
+    out: list[PromptEmbeddings] = []
+    width = info.hidden_size
+    for i, prompt in enumerate(req.input_embeds):
+        field = f"input_embeds[{i}]"
+        positions = prompt.positions
+        c.check(len(positions) > 0, f"{field}.positions", "must not be empty: give at least one position")
+        c.check(len(positions) < info.max_context_length, f"{field}.positions",
+                f"prompt has {len(positions)} positions; the context holds {info.max_context_length}")
+        bad = next((j for j, p in enumerate(positions) if len(p.values) != width), None)
+        if bad is not None:
+            c.check(False, f"{field}.positions[{bad}].values",
+                    f"has {len(positions[bad].values)} values; the model's hidden size is {width}")
+        if not positions or bad is not None or len(positions) >= info.max_context_length:
+            continue
+        rows = np.array([p.values for p in positions], dtype=np.float32)  # [positions, hidden]
+        finite = np.isfinite(rows).all(axis=1)  # [positions]
+        if not finite.all():
+            j = int(np.argmin(finite))
+            c.check(False, f"{field}.positions[{j}].values", "values must be finite (no NaN or infinity)")
+            continue
+        out.append(prompt_embeddings(rows))
+    c.raise_if_any()
+    return out
+
+
+def hidden_states_mode(req: generate_pb2.GenerateRequest, info: ModelInfo) -> HiddenStatesMode | None:
+    """return_hidden_states and hidden_states_mode -> the mode (None: no hidden states)."""
+    c = Collector()
+    mode = req.hidden_states_mode
+    c.check(req.return_hidden_states or mode == generate_pb2.HIDDEN_STATES_MODE_UNSPECIFIED, "hidden_states_mode",
+            "applies only with return_hidden_states")
+    c.check(not req.return_hidden_states or info.accepts_embeddings, "return_hidden_states",
+            f"this model ({info.architecture}) runs on the transformers fallback, which gives logits only")
+    c.raise_if_any()
+    if not req.return_hidden_states:
+        return None
+    return HiddenStatesMode.LAST if mode == generate_pb2.HIDDEN_STATES_MODE_LAST else HiddenStatesMode.ALL
+
+
+def routed_experts_from(req: generate_pb2.GenerateRequest, info: ModelInfo, enabled: bool) -> int | None:
+    """return_routed_experts and routed_experts_start_len -> the first position to return (None: not asked).
+    A dense model is INVALID_ARGUMENT; a server without --enable-return-routed-experts, FAILED_PRECONDITION."""
+    c = Collector()
+    c.check(req.return_routed_experts or not req.HasField("routed_experts_start_len"), "routed_experts_start_len",
+            "applies only with return_routed_experts")
+    c.check(not req.return_routed_experts or info.experts is not None, "return_routed_experts",
+            f"this model ({info.architecture}) has no experts: routed experts exist only for mixture-of-experts "
+            "models")
+    c.raise_if_any()
+    if not req.return_routed_experts:
+        return None
+    c.check(enabled, "--enable-return-routed-experts",
+            "this server was started without --enable-return-routed-experts, so it does not return routed experts")
+    c.raise_if_any(grpc.StatusCode.FAILED_PRECONDITION)
+    return req.routed_experts_start_len if req.HasField("routed_experts_start_len") else 0
+
+
 def check_prompt(ids: list[int], index: int, info: ModelInfo, req: generate_pb2.GenerateRequest) -> None:
     c = Collector()
-    check_prompt_ids(c, ids, f"input_ids[{index}]" if req.input_ids else f"text[{index}]", info)
+    if not req.input_embeds:  # embeddings prompts were checked by check_embeddings; their ids are placeholders
+        check_prompt_ids(c, ids, f"input_ids[{index}]" if req.input_ids else f"text[{index}]", info)
     if req.HasField("logprob_start_len"):
         k = req.logprob_start_len
         c.check(-1 <= k <= len(ids), "logprob_start_len", f"must be in [-1, {len(ids)}] (prompt length), got {k}")
+    if req.return_routed_experts and req.HasField("routed_experts_start_len"):
+        k = req.routed_experts_start_len
+        c.check(0 <= k <= len(ids), "routed_experts_start_len",
+                f"must be in [0, {len(ids)}] (prompt length), got {k}")
     for t in req.token_ids_logprob:
         c.check(0 <= t < info.vocab_size, "token_ids_logprob", f"token id {t} outside [0, {info.vocab_size})")
     c.raise_if_any()

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from lmrpc.server.config import EngineConfig
+from lmrpc.server.engine import hidden_states, routed_experts
 from lmrpc.server.engine.detokenizer import OutputProcessor, decode_token
-from lmrpc.server.engine.executor import ForwardOutput, ModelExecutor, PromptLogits
+from lmrpc.server.engine.executor import ForwardOutput, HiddenRows, ModelExecutor, PromptLogits
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
 from lmrpc.server.engine.kv_cache import KVCacheManager
 from lmrpc.server.engine.live import Command, LiveRequest, OutputFlow, Sink, _Abort, _Add, _Stop
@@ -198,6 +199,11 @@ class Engine:
             masks = pending.wait()  # [rows, words] or None; waited for even if the forward failed
         self.scheduler.on_computed(batch)
         self._record_prompt_logprobs(forward.prompt_logits)
+        self._record_hidden(forward.hidden)
+        for rows in forward.routed:
+            routed_live = self._live.get(rows.seq.request_id)
+            if routed_live is not None:
+                routed_experts.record(routed_live, rows)
         results = self._resample_rejected(sampling, forward, self._sample(sampling, forward, masks))
         for live, result in zip(sampling, results, strict=True):
             self._update(live, result)
@@ -228,11 +234,19 @@ class Engine:
             message = f"request needs {needed} tokens of KV cache but the pool holds {capacity}"
             sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
             return
+        embeds = request.prompt_embeds
+        if embeds is not None and (not self.info.accepts_embeddings or embeds.hidden != self.info.hidden_size):
+            # The servicer refuses these (validation.check_embeddings); an in-process caller gets a clear error.
+            message = f"this model takes embeddings of width {self.info.hidden_size} only from a native model"
+            sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
+            return
         live = LiveRequest(
             seq=seq,
             sink=sink,
             sampling=SamplingState(params, request.logprobs, self.info.vocab_size, self.executor.device),
-            output=OutputProcessor(self.tokenizer, request.prompt_ids, params, self.info.eos_token_ids),
+            # An embeddings prompt has no token text to set the first output token's leading-space context.
+            output=OutputProcessor(self.tokenizer, () if embeds is not None else request.prompt_ids, params,
+                                   self.info.eos_token_ids),
             grammar=self._new_matcher(params.constraint),
             processor=(
                 self.processors.create(params.logit_processor, dict(params.processor_params))
@@ -266,6 +280,12 @@ class Engine:
             self.abort(request_id, reason)
 
     # ---- step parts ------------------------------------------------------------------------------------------
+
+    def _record_hidden(self, chunks: Iterable[HiddenRows]) -> None:
+        for chunk in chunks:
+            live = self._live.get(chunk.seq.request_id)
+            if live is not None:
+                hidden_states.record(live, chunk)
 
     def _record_prompt_logprobs(self, chunks: Iterable[PromptLogits]) -> None:
         for chunk in chunks:
@@ -383,6 +403,8 @@ class Engine:
             input_logprobs=input_logprobs,
             finish=finish,
             usage=_usage(seq) if finish is not None else None,
+            hidden_states=hidden_states.take(live, finish is not None),
+            routed_experts=routed_experts.take(live),
             scheduled_at=live.scheduled_at,
         )
         live.pending_tokens, live.pending_text, live.pending_logprobs = [], [], []

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 
 from lmrpc.kernels.attention import PagedTorchAttention
@@ -22,6 +23,7 @@ from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.models import ForwardContext
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.loader import LoadedModel
+from lmrpc.server.protocol import HiddenStatesMode
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +38,29 @@ class PromptLogits:
 
 
 @dataclass(frozen=True)
+class HiddenRows:
+    """Final-layer normalized hidden states of some of one chunk's positions, for a request that asked for them."""
+
+    seq: Sequence  # whose positions
+    first_position: int  # position of row 0
+    rows: torch.Tensor  # [k, hidden] float32, positions first_position .. first_position + k - 1
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """The experts some of one chunk's positions were routed to, for a request that asked for them."""
+
+    seq: Sequence  # whose positions
+    first_position: int  # position of row 0
+    experts: torch.Tensor  # [k, moe layers, top_k] int32
+
+
+@dataclass(frozen=True)
 class ForwardOutput:
     logits: torch.Tensor  # [num_sampling_chunks, vocab] float32, one row per chunk with `samples`, batch order
     prompt_logits: tuple[PromptLogits, ...]  # for chunks of sequences asking for prompt logprobs
+    hidden: tuple[HiddenRows, ...] = ()  # for chunks of sequences asking for hidden states
+    routed: tuple[RoutedRows, ...] = ()  # for chunks of sequences asking for routed experts
 
 
 class ModelExecutor:
@@ -90,23 +112,75 @@ class ModelExecutor:
             positions.extend(range(c.start, c.start + c.num_tokens))
         chunks = [ChunkSpec(c.start, c.num_tokens, c.seq.page_table) for c in batch.chunks]
         lora = _adapter_groups(batch, self.device)
-        if (self.graphs is not None and not lora and len(ids) == len(chunks)
+        embedded = any(_embedded_span(c)[1] for c in batch.chunks)
+        # A captured graph gives logits only: steps that need embeddings in, hidden states or routing out run eagerly.
+        extras = embedded or any(c.seq.request.hidden_states is not None
+                                 or c.seq.request.routed_experts_from is not None for c in batch.chunks)
+        if (self.graphs is not None and not lora and not extras and len(ids) == len(chunks)
                 and self.graphs.bucket_for(len(ids)) is not None):
             return ForwardOutput(self.graphs.run(ids, chunks), ())  # decodes only: a captured graph
         position_tensor = torch.tensor(positions, dtype=torch.int64)
         ctx = ForwardContext(self.attention, self.attention.plan(chunks, position_tensor))
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
-        if lora:  # only our Llama family takes adapters (lora.registry loads none for another model)
-            hidden = cast(LlamaForCausalLM, self.model).forward(input_ids, ctx, lora)  # [T, hidden]
+        id_tensor = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
+        inputs = self._input_embeds(batch, id_tensor) if embedded else None  # [T, hidden]
+        routed: tuple[RoutedRows, ...] = ()
+        if any(c.seq.request.routed_experts_from is not None for c in batch.chunks):
+            forward_routed = getattr(self.model, "forward_routed")  # noqa: B009  (validation: an MoE model)
+            hidden, experts = forward_routed(id_tensor, ctx, inputs)  # [T, hidden], [T, moe layers, top_k]
+            routed = _routed_rows(batch, experts)
+        elif lora:  # only our Llama family takes adapters (lora.registry loads none for another model)
+            hidden = cast(LlamaForCausalLM, self.model).forward(id_tensor, ctx, inputs, lora)  # [T, hidden]
         else:
-            hidden = self.model.forward(input_ids, ctx)  # [T, hidden]
+            hidden = self.model.forward(id_tensor, ctx, inputs)  # [T, hidden]
         rows, prompt_spans = self._rows(batch)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [len(rows), vocab]
         sampling = logits[: sum(c.samples for c in batch.chunks)]
         prompt = tuple(
             PromptLogits(seq, first, logits[offset : offset + n]) for seq, first, offset, n in prompt_spans
         )
-        return ForwardOutput(sampling, prompt)
+        return ForwardOutput(sampling, prompt, self._hidden(batch, hidden), routed)
+
+    def _hidden(self, batch: ScheduledBatch, hidden: torch.Tensor) -> tuple[HiddenRows, ...]:
+        """hidden [T, hidden] -> the normalized rows of the chunks whose requests ask for hidden states: all their
+        positions (the engine drops any it already sent, e.g. recomputed after preemption), or in LAST mode only the
+        row that samples."""
+        picks: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, first row, count)
+        row = 0
+        for c in batch.chunks:
+            mode = c.seq.request.hidden_states
+            if mode is HiddenStatesMode.ALL:
+                picks.append((c.seq, c.start, row, c.num_tokens))
+            elif mode is HiddenStatesMode.LAST and c.samples:
+                picks.append((c.seq, c.start + c.num_tokens - 1, row + c.num_tokens - 1, 1))
+            row += c.num_tokens
+        if not picks:
+            return ()
+        index = torch.tensor([r for _, _, first, n in picks for r in range(first, first + n)], dtype=torch.int64,
+                             device=self.device)
+        normed = self.model.final_norm(hidden.index_select(0, index)).cpu()  # [sum of counts, hidden]
+        out: list[HiddenRows] = []
+        offset = 0
+        for seq, position, _, n in picks:
+            out.append(HiddenRows(seq, position, normed[offset : offset + n]))
+            offset += n
+        return tuple(out)
+
+    def _input_embeds(self, batch: ScheduledBatch, ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's rows [T, hidden] float32: the embedding lookup of ids, with the prompt positions given as
+        embeddings replaced by the request's own rows (exactly as sent: the lookup's rows are float32 too)."""
+        x = self.model.embed(ids)  # [T, hidden]
+        row = 0
+        for c in batch.chunks:
+            first, count = _embedded_span(c)
+            if count:
+                embeds = c.seq.request.prompt_embeds
+                assert embeds is not None
+                width = embeds.hidden
+                rows = np.frombuffer(embeds.data, dtype="<f4", count=count * width, offset=first * width * 4)
+                x[row + first - c.start : row + first - c.start + count] = torch.from_numpy(
+                    rows.reshape(count, width).copy()).to(self.device)  # [count, hidden]
+            row += c.num_tokens
+        return x
 
     def _rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]:
         """Hidden rows to project: the last row of each sampling chunk, then prompt-logprob rows."""
@@ -144,6 +218,26 @@ def _adapter_groups(batch: ScheduledBatch, device: torch.device) -> tuple[RowGro
         row += c.num_tokens
     return tuple(RowGroup(torch.tensor(r, dtype=torch.int64, device=device), adapters[uid].layers)
                  for uid, r in rows.items())
+
+
+def _routed_rows(batch: ScheduledBatch, experts: torch.Tensor) -> tuple[RoutedRows, ...]:
+    """experts [T, moe layers, top_k] -> the rows of the chunks whose requests ask for them (the engine keeps the
+    positions from the request's start it has not had)."""
+    out: list[RoutedRows] = []
+    row = 0
+    for c in batch.chunks:
+        if c.seq.request.routed_experts_from is not None:
+            out.append(RoutedRows(c.seq, c.start, experts[row : row + c.num_tokens].cpu()))
+        row += c.num_tokens
+    return tuple(out)
+
+
+def _embedded_span(c: ScheduledChunk) -> tuple[int, int]:
+    """(first position, count) of this chunk's prompt positions given as embeddings."""
+    embeds = c.seq.request.prompt_embeds
+    if embeds is None or c.start >= embeds.num_positions:
+        return 0, 0
+    return c.start, min(c.num_tokens, embeds.num_positions - c.start)
 
 
 def _prompt_logprob_span(c: ScheduledChunk) -> tuple[int, int]:

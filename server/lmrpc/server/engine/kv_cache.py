@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from lmrpc.server.engine.sequence import PageCopy, Sequence
 
-PageKey = tuple[int, tuple[int, ...]]  # (parent page in the cache, or the chain's root, the page's token ids)
+# (parent page in the cache, or the chain's root; the page's keys: Sequence.cache_keys)
+PageKey = tuple[int, tuple[int | bytes, ...]]
 
 
 @dataclass(eq=False)
@@ -140,7 +141,7 @@ class KVCacheManager:
         if self.enable_prefix_cache:
             size = self.page_size
             for i in range(seq.max_cacheable_prompt_tokens // size):
-                key = (_parent(chain, seq), tuple(seq.token_ids[i * size : (i + 1) * size]))
+                key = (_parent(chain, seq), tuple(seq.cache_keys(i * size, (i + 1) * size)))
                 node = self._nodes.get(key)
                 if node is None:
                     break
@@ -156,7 +157,7 @@ class KVCacheManager:
     def _match_partial(self, seq: Sequence, chain: _Chain) -> None:
         """Copy the longest agreeing head of a cached child page into a fresh page (see the module doc)."""
         start = seq.num_computed_tokens
-        wanted = seq.token_ids[start : seq.max_cacheable_prompt_tokens]
+        wanted = seq.cache_keys(start, seq.max_cacheable_prompt_tokens)
         if not wanted:
             return
         best, best_len = None, 0
@@ -215,7 +216,7 @@ class KVCacheManager:
         full = min(seq.num_computed_tokens // size, len(seq.page_table))
         while chain.num_committed < full:
             i = chain.num_committed
-            key = (_parent(chain, seq), tuple(seq.token_ids[i * size : (i + 1) * size]))
+            key = (_parent(chain, seq), tuple(seq.cache_keys(i * size, (i + 1) * size)))
             node = self._nodes.get(key)
             if node is None:
                 page = seq.page_table[i]
@@ -248,7 +249,7 @@ class KVCacheManager:
                 or chain.num_committed != index or seq in self._pending_copies):
             return
         page = seq.page_table[index]
-        key = (_parent(chain, seq), tuple(seq.token_ids[index * size : index * size + filled]))
+        key = (_parent(chain, seq), tuple(seq.cache_keys(index * size, index * size + filled)))
         if page in self._node_of_page or key in self._nodes or self._seq_refs[page] != 1:
             return  # already cached, an identical tail is, or another sequence still writes this page
         self._insert(key, page, chain.parent)
@@ -267,7 +268,7 @@ def _parent(chain: _Chain, seq: Sequence) -> int:
     return chain.parent.page if chain.parent else seq.cache_root
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def _common_prefix(a: tuple[int | bytes, ...], b: list[int | bytes]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):  # b may be longer or shorter than the page
         if x != y:

@@ -56,6 +56,11 @@ class LiveRequest:
     pending_tokens: list[int] = field(default_factory=list)  # sampled since the last emit
     pending_logprobs: list[PositionLogprobs] = field(default_factory=list)  # their logprobs
     pending_text: list[str] = field(default_factory=list)  # their text pieces
+    pending_hidden: list[bytes] = field(default_factory=list)  # hidden-state rows not sent yet (float32 bytes)
+    hidden_next: int = 0  # the first position whose hidden state was not gathered yet (recomputes skip the rest)
+    pending_routed: list[bytes] = field(default_factory=list)  # routed-expert rows not sent yet (int32 bytes)
+    pending_routed_start: int = 0  # position of the first pending routed-expert row
+    routed_next: int = 0  # the first position whose routed experts were not gathered yet
     # time.monotonic() when a step first computed this sequence (its admission; kept across preemption): the end
     # of its queue time, which the service can't see from outside the engine thread
     scheduled_at: float | None = None

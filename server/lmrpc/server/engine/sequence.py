@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmrpc.server.protocol import EngineRequest, Finish
+from lmrpc.server.protocol import EngineRequest, Finish, HiddenStatesMode
 
 _arrival = itertools.count()
 
@@ -41,6 +41,16 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.request.prompt_ids)
         assert self.token_ids, "a sequence needs at least one prompt token"
+
+    def cache_keys(self, start: int, end: int) -> list[int | bytes]:
+        """The prefix cache's keys of positions [start, end): the token ids, except that prompt positions given as
+        embeddings are keyed by their row's digest (bytes never equal an int, so no token prompt can match them)."""
+        embeds = self.request.prompt_embeds
+        if embeds is None or start >= embeds.num_positions:
+            return list(self.token_ids[start:end])
+        cut = min(end, embeds.num_positions)
+        keys: list[int | bytes] = list(embeds.position_keys[start:cut])
+        return keys + list(self.token_ids[cut:end])
 
     @property
     def request_id(self) -> str:
@@ -94,10 +104,15 @@ class Sequence:
     def max_cacheable_prompt_tokens(self) -> int:
         """How many leading tokens may come from the prefix cache.
 
-        All but the last (its logits are needed); and for prompt logprobs from position k, the logits of
-        positions k-1.. must be computed, so only k-1 tokens may be reused.
+        All but the last (its logits are needed); none when all hidden states are asked for (every position's is
+        returned); and for prompt logprobs from position k, the logits of positions k-1.. must be computed, so only
+        k-1 tokens may be reused.
         """
+        if self.request.hidden_states is HiddenStatesMode.ALL:
+            return 0  # every prompt position's hidden state is returned, so every position is computed
         limit = self.num_tokens - 1
+        if self.request.routed_experts_from is not None:
+            limit = min(limit, self.request.routed_experts_from)  # routed positions must be computed
         lp = self.request.logprobs
         if lp is not None and lp.start_len >= 0:
             limit = min(limit, max(lp.start_len - 1, 0))

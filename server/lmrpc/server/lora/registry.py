@@ -59,8 +59,9 @@ class LoraRegistry:
 
     def __init__(self, config: LoraConfig, model: object) -> None:
         self.config = config
-        # Adapters run on our Llama family only (the transformers fallback has no place for the deltas).
-        self._model = model if isinstance(model, LlamaForCausalLM) else None
+        # Adapters run on our dense Llama family only (the transformers fallback and MoE experts have no place for
+        # the deltas).
+        self._model = model if isinstance(model, LlamaForCausalLM) and model.accepts_adapters else None
         self._root = os.path.realpath(config.lora_root) if config.lora_root else None
         self._lock = threading.Lock()
         self._loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first

@@ -31,7 +31,18 @@ class CausalLM(Protocol):
 
     def make_attention(self, num_pages: int, page_size: int) -> AttentionBackend: ...  # its KV cache and backend
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...  # [T] -> hidden [T, ...]
+    # True when forward takes input_embeds (a prompt given as embeddings); the transformers fallback does not
+    accepts_embeddings: bool
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # [T] -> [T, hidden] float32 embedding rows
+
+    # [T] -> hidden [T, ...]; input_embeds [T, hidden] float32, when given, replaces the embedding lookup of input_ids
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, input_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    # [N, ...] -> [N, hidden] float32: the final norm applied, the rows the output projection reads
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [N, ...] -> [N, vocab] float32
 
@@ -54,6 +65,6 @@ def register(*architectures: str) -> Callable[[ModelT], ModelT]:
 
 def load_registry() -> dict[str, type[Any]]:
     """Import every model module (registering it) and return the registry."""
-    from lmrpc.server.models import llama  # noqa: F401  (registers on import)
+    from lmrpc.server.models import llama, moe  # noqa: F401  (register on import)
 
     return REGISTRY

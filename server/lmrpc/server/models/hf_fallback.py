@@ -46,6 +46,8 @@ class TokenSlots:
 class HFCausalLM:
     """Wraps an HF causal LM; `forward` returns logits where native models return hidden states."""
 
+    accepts_embeddings = False  # its "KV cache" holds token ids, so a prompt must be token ids
+
     def __init__(self, model: PreTrainedModel, device: torch.device) -> None:
         self.hf = model
         self.device = device
@@ -62,8 +64,14 @@ class HFCausalLM:
     def make_attention(self, num_pages: int, page_size: int) -> TokenSlots:
         return TokenSlots(num_pages, page_size, self.device)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the transformers fallback takes token ids only")
+
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, input_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """input_ids [T] -> logits [T', vocab] (the "hidden" rows `compute_logits` passes through)."""
+        assert input_embeds is None, "the transformers fallback takes token ids only (accepts_embeddings)"
         slots = ctx.attention
         assert isinstance(slots, TokenSlots)
         meta: AttentionMetadata = ctx.plan
@@ -84,6 +92,9 @@ class HFCausalLM:
         with torch.inference_mode():
             out = self.hf(input_ids=context[None], use_cache=False, logits_to_keep=num_new)
         return out.logits[0, -num_new:]
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the transformers fallback's forward gives logits, not hidden states")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.float()

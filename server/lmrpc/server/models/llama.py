@@ -10,7 +10,7 @@ added). Every product goes through `LinearLayer`, in whatever format `LinearBuil
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import PretrainedConfig
@@ -85,6 +85,26 @@ class _NativeStack:
 
 
 @dataclass(frozen=True)
+class AttentionParts:
+    """A layer's norms and attention products, as read from the checkpoint (what every layer kind shares)."""
+
+    input_norm: torch.Tensor  # [hidden] float32, fused into qkv
+    post_attention_norm: torch.Tensor  # [hidden] float32, fused into the MLP's first products
+    qk_norm: QKNorm | None  # Qwen3's per-head norms
+    qkv: LinearLayer  # [hidden] -> [(heads + 2 kv_heads) * head_dim]
+    o: LinearLayer  # [heads * head_dim] -> [hidden]
+
+
+class Layer(Protocol):
+    """One decoder layer as the model runs it (dense here; moe.py's have experts)."""
+
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext, eps: float,
+                 lora: tuple[RowGroup, ...] = ()) -> torch.Tensor: ...  # [T, hidden] -> same
+
+    def linears(self) -> list[LinearLayer]: ...  # every product, for weight_formats
+
+
+@dataclass(frozen=True)
 class DecoderLayer:
     """One layer's weights. Norm weights are float32 vectors fused into the products that read them."""
 
@@ -116,14 +136,20 @@ class DecoderLayer:
             out = add_delta(out, gate_up, lora, self.index, "down", silu=True)
         return out
 
+    def linears(self) -> list[LinearLayer]:
+        return [self.qkv, self.o, self.gate_up, self.down]
+
 
 @register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 class LlamaForCausalLM:
     """Built from an HF config and a weight source, every product in the builder's format."""
 
+    QK_NORM_ARCHITECTURES: frozenset[str] = frozenset({"Qwen3ForCausalLM"})  # per-head q/k RMSNorms
+
     def __init__(self, config: PretrainedConfig, weights: WeightSource, builder: LinearBuilder) -> None:
         arch = (config.architectures or ["LlamaForCausalLM"])[0]
-        self.shape = shape = LlamaShape.from_hf(config, qk_norm=arch == "Qwen3ForCausalLM")
+        self.config = config
+        self.shape = shape = LlamaShape.from_hf(config, qk_norm=arch in self.QK_NORM_ARCHITECTURES)
         self.device = builder.device
         self.dtype = builder.dtype
         self.builder = builder  # LoRA adapters' products are built in the same way (lora/products.py)
@@ -137,16 +163,29 @@ class LlamaForCausalLM:
         # Embedding rows: from the tied output projection when it can give rows (no second copy of the table).
         self._embed_rows = self.lm_head if head_name.startswith("model.embed") and isinstance(
             self.lm_head, NativeLinear) else None
-        self.embed: torch.Tensor | None = None  # [vocab, hidden] in the model dtype, when not read from lm_head
+        self.embed_table: torch.Tensor | None = None  # [vocab, hidden] in the model dtype, when not read from lm_head
         if self._embed_rows is None:
-            self.embed = weights.tensor("model.embed_tokens.weight").to(device=self.device, dtype=self.dtype)
-        self.layers = [self._layer(weights, builder, i) for i in range(shape.layers)]
+            self.embed_table = weights.tensor("model.embed_tokens.weight").to(device=self.device, dtype=self.dtype)
+        self.layers: list[Layer] = [self._layer(weights, builder, i) for i in range(shape.layers)]
         self._stack: _NativeStack | None = None  # every layer in one native call, once a native cache exists
 
     def _vector(self, weights: WeightSource, name: str) -> torch.Tensor:
         return weights.tensor(name).to(device=self.device, dtype=torch.float32).contiguous()
 
-    def _layer(self, w: WeightSource, builder: LinearBuilder, i: int) -> DecoderLayer:
+    def _layer(self, w: WeightSource, builder: LinearBuilder, i: int) -> Layer:
+        p = f"model.layers.{i}."
+        return self._decoder_layer(w, builder, i, gate_up=builder.build(stack_rows(
+            [w.matrix(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
+            down=builder.build(w.matrix(p + "mlp.down_proj.weight")))
+
+    def _decoder_layer(self, w: WeightSource, builder: LinearBuilder, i: int, gate_up: LinearLayer,
+                       down: LinearLayer) -> DecoderLayer:
+        """Layer i's attention and norms from the checkpoint, with the given MLP products."""
+        a = self.attention_parts(w, builder, i)
+        return DecoderLayer(i, a.input_norm, a.post_attention_norm, a.qk_norm, a.qkv, a.o, gate_up, down)
+
+    def attention_parts(self, w: WeightSource, builder: LinearBuilder, i: int) -> AttentionParts:
+        """Layer i's norms and attention products."""
         p = f"model.layers.{i}."
         qkv_names = [p + f"self_attn.{n}_proj" for n in ("q", "k", "v")]
         bias = None
@@ -156,22 +195,19 @@ class LlamaForCausalLM:
         if self.shape.qk_norm:
             qk_norm = QKNorm(self._vector(w, p + "self_attn.q_norm.weight"),
                              self._vector(w, p + "self_attn.k_norm.weight"))
-        return DecoderLayer(
-            index=i,
+        return AttentionParts(
             input_norm=self._vector(w, p + "input_layernorm.weight"),
             post_attention_norm=self._vector(w, p + "post_attention_layernorm.weight"),
             qk_norm=qk_norm,
             qkv=builder.build(stack_rows([w.matrix(n + ".weight") for n in qkv_names]), bias),
             o=builder.build(w.matrix(p + "self_attn.o_proj.weight")),
-            gate_up=builder.build(stack_rows([w.matrix(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
-            down=builder.build(w.matrix(p + "mlp.down_proj.weight")),
         )
 
     def weight_formats(self) -> tuple[str, ...]:
         """The storage formats among the linear layers (sorted), e.g. ("q4_1", "q8_0")."""
         linears: list[LinearLayer] = [self.lm_head]
         for layer in self.layers:
-            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+            linears += layer.linears()
         return tuple(sorted({_format_of(lin, self.dtype) for lin in linears}))
 
     @property
@@ -191,6 +227,8 @@ class LlamaForCausalLM:
             return None
         ops = []
         for layer in self.layers:
+            if not isinstance(layer, DecoderLayer):
+                return None  # layers the native stack does not know (experts) run one by one
             linears = [lin for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) if isinstance(lin, NativeLinear)]
             if len(linears) != 4:
                 return None
@@ -207,12 +245,23 @@ class LlamaForCausalLM:
         s = self.shape
         return AttentionShape(s.layers, s.heads, s.kv_heads, s.head_dim, s.head_dim ** -0.5, s.eps)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, lora: tuple[RowGroup, ...] = ()) -> torch.Tensor:
+    accepts_embeddings = True
+    accepts_adapters = True  # LoRA deltas on the fused products (moe.py's experts take none)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the embedding rows [T, hidden] float32 the first layer reads."""
+        return self._embed_rows.rows(input_ids) if self._embed_rows is not None else self.embed_rows(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, input_embeds: torch.Tensor | None = None,
+        lora: tuple[RowGroup, ...] = (),
+    ) -> torch.Tensor:
         """input_ids [T] -> hidden [T, hidden] float32 (before the final norm, which compute_logits applies).
+        input_embeds [T, hidden] float32, when given, are the rows the first layer reads instead of input_ids'.
 
         lora: the rows running under adapters, grouped by adapter. A step with any runs layer by layer in Python
         (the same kernels, the deltas added around them); a base-only step keeps the one native call."""
-        x = self._embed_rows.rows(input_ids) if self._embed_rows is not None else self.embed_rows(input_ids)
+        x = self.embed(input_ids) if input_embeds is None else input_embeds.contiguous()
         if self._stack is not None and ctx.attention is self._stack.backend and not lora:
             plan = ctx.plan
             return self._stack.stack.forward(x, plan.positions, plan.slots, plan.block_table, plan.token_seq,
@@ -232,8 +281,14 @@ class LlamaForCausalLM:
     __call__ = forward
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
-        assert self.embed is not None
-        return self.embed.index_select(0, input_ids).float()  # [T, hidden]
+        assert self.embed_table is not None
+        return self.embed_table.index_select(0, input_ids).float()  # [T, hidden]
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> [N, hidden] float32 after the final RMSNorm: what the output projection reads (which
+        fuses the same norm into its product). Per row, so a row's bits do not depend on the others."""
+        x = hidden.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape.eps) * self.norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (final RMSNorm fused into the output projection)."""

@@ -29,7 +29,7 @@ from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import resolve_dtype
 from lmrpc.server.models.quantized import LinearBuilder, Quantization
 from lmrpc.server.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
-from lmrpc.server.protocol import ModelInfo
+from lmrpc.server.protocol import ExpertsInfo, ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     quantization = Quantization(config.quantization)
     model: CausalLM
     formats: tuple[str, ...] = ()
+    experts: ExpertsInfo | None = None  # a mixture-of-experts model's routing layout
     if arch in registry:
         builder = LinearBuilder(quantization, dtype, device, native=_native_serves(device, dtype))
         weights: WeightSource
@@ -172,6 +173,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         built = registry[arch](hf_config, weights, builder)
         model = cast(CausalLM, built)
         formats = built.weight_formats()
+        experts = built.experts_info() if hasattr(built, "experts_info") else None
     else:
         if quantization in (Quantization.INT8, Quantization.INT4):
             raise ValueError(f"--quantization {quantization.value} needs a native implementation; {arch} has none "
@@ -198,6 +200,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         device=str(device),
         quantization=_quantization_name(formats),
         weight_formats=formats,
+        hidden_size=int(hf_config.hidden_size),
+        accepts_embeddings=bool(model.accepts_embeddings),
+        experts=experts,
     )
     return LoadedModel(model, tokenizer, info)
 

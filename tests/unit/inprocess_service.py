@@ -1,0 +1,40 @@
+"""The real GenerateService over a real engine on an in-process grpc.aio server (no subprocess): for tests of
+request fields end to end through validation, the service and the engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+
+from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.frontend import Frontend
+from lmrpc.server.service import GenerateService
+from lmrpc.v1 import generate_pb2_grpc
+
+
+def engine_config(path: str | None, dtype: str, *, quantization: str = "auto", kv_tokens: int = 8192,
+                  max_batched: int = 256) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(path=path, dtype=dtype, device="cpu", quantization=quantization),
+        cache=CacheConfig(page_size=16, num_tokens=kv_tokens),
+        scheduler=SchedulerConfig(max_running_requests=16, max_batched_tokens=max_batched,
+                                  max_prefill_chunk=max_batched),
+        sampling_defaults="openai",
+    )
+
+
+@asynccontextmanager
+async def served(engine: AsyncEngine, config: EngineConfig) -> AsyncIterator[generate_pb2_grpc.GenerateServiceStub]:
+    frontend = Frontend(engine, config, ServerConfig(host="127.0.0.1", port=0))
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateService(frontend), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield generate_pb2_grpc.GenerateServiceStub(channel)
+    finally:
+        await server.stop(grace=None)
