@@ -71,7 +71,7 @@ def _forward_logits(model: LlamaForCausalLM, tokens: list[int], adapter: LoadedA
         for start, end in steps:
             plan = attention.plan([ChunkSpec(start, end - start, pages)], torch.arange(start, end))
             lora = (RowGroup(torch.arange(end - start), adapter.layers),) if adapter is not None else ()
-            hidden = model.forward(torch.tensor(tokens[start:end]), ForwardContext(attention, plan), lora)
+            hidden = model.forward(torch.tensor(tokens[start:end]), ForwardContext(attention, plan), lora=lora)
             out.append(model.compute_logits(hidden))
     return torch.cat(out)
 
@@ -324,6 +324,6 @@ def test_smollm2_adapter_equals_peft_merged_model(smollm2_gguf: Path, tmp_path: 
             start = 0 if len(seq) == 8 else len(seq) - 1
             plan = attention.plan([ChunkSpec(start, len(seq) - start, pages)], torch.arange(start, len(seq)))
             rows = (RowGroup(torch.arange(len(seq) - start), adapter.layers),)
-            hidden = model.forward(torch.tensor(seq[start:]), ForwardContext(attention, plan), rows)
+            hidden = model.forward(torch.tensor(seq[start:]), ForwardContext(attention, plan), lora=rows)
             seq.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
     assert seq[8:] == ids[0, 8:].tolist()
