@@ -58,6 +58,19 @@ class PagedRun:
         return self.model.compute_logits(hidden)
 
 
+
+def assert_paged_logits_equal_transformers(ours: object, path: object) -> None:
+    """Our model through the paged cache (a chunked prefill: 17 tokens, then 13 with the first 17 cached, and 10
+    single-token decodes) gives transformers' float32 logits for 40 random tokens of a 512-token vocabulary."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]  # [40, vocab]
+    run = PagedRun.create(ours, len(tokens))  # type: ignore[arg-type]
+    got = [run.logits(tokens[:17], 0), run.logits(tokens[:30], 17)]
+    got += [run.logits(tokens[: i + 1], i) for i in range(30, 40)]
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
 def tiny_configs() -> dict[str, PretrainedConfig]:
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256)
@@ -92,15 +105,7 @@ def test_native_model_equals_transformers_through_paged_cache(
     if arch == "Qwen2ForCausalLM":  # the qkv bias is there (native kernels hold it inside, DenseLinear outside)
         qkv = ours.layers[0].qkv
         assert not isinstance(qkv, DenseLinear) or qkv.bias is not None
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0]  # [40, vocab]
-    run = PagedRun.create(ours, len(tokens))
-    # A chunked prefill (17 tokens, then 13 with the first 17 cached) and 10 single-token decodes.
-    got = [run.logits(tokens[:17], 0), run.logits(tokens[:30], 17)]
-    got += [run.logits(tokens[: i + 1], i) for i in range(30, 40)]
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+    assert_paged_logits_equal_transformers(ours, path)
 
 
 def test_bf16_weights_with_float32_activations_stay_close(

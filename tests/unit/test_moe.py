@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_models import PagedRun
+from test_models import assert_paged_logits_equal_transformers
 from tiny_moe import save_tiny_moe
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
@@ -33,14 +33,7 @@ def test_moe_logits_equal_transformers_through_paged_cache(
     assert isinstance(ours, MoEForCausalLM)
     sparse = [layer for layer in ours.layers if isinstance(getattr(layer, "mlp", None), SparseMLP)]
     assert len(sparse) == (2 if arch == "Qwen2MoeForCausalLM" else 3)  # Qwen2-MoE's last layer is dense here
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0]  # [40, vocab]
-    run = PagedRun.create(ours, len(tokens))
-    got = [run.logits(tokens[:17], 0), run.logits(tokens[:30], 17)]
-    got += [run.logits(tokens[: i + 1], i) for i in range(30, 40)]
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+    assert_paged_logits_equal_transformers(ours, path)
 
 
 def start(path: Path) -> AsyncEngine:
