@@ -197,57 +197,84 @@ _SMALL = st.one_of(*[st.integers(1, 16)] * 9, st.integers(-2, 0))
 _UNIT = st.one_of(*[st.sampled_from([0.0, 0.5, 1.0])] * 9, st.floats(-1, 3, width=32))
 
 
+@dataclass(frozen=True)
+class _Knobs:
+    """The values a plausible request draws from: sloppy ones sometimes fall out of range, valid ones never do."""
+
+    prompts: st.SearchStrategy[str]
+    small: st.SearchStrategy[int]  # max new tokens
+    unit: st.SearchStrategy[float]  # temperature
+    n: st.SearchStrategy[int]
+    top_logprobs: st.SearchStrategy[int]
+    constraints: st.SearchStrategy[tuple[str, str] | None]  # (field, value)
+    roles: st.SearchStrategy[str]
+    priority: st.SearchStrategy[int]
+
+
+_SLOPPY = _Knobs(prompts=_PROMPTS, small=_SMALL, unit=_UNIT, n=st.sampled_from([1, 1, 2, 3, 0]),
+                 top_logprobs=st.sampled_from([0, 0, 2, 5, 21]),
+                 constraints=st.sampled_from([None, None, None, ("regex", "[a-z ]+"),
+                                              ("json_schema", '{"type": "object"}'), ("regex", "(a")]),
+                 roles=st.sampled_from(["user"] * 6 + ["assistant", "system", "tool", "bogus"]),
+                 priority=st.integers(*INT32))
+_VALID = _Knobs(prompts=st.sampled_from(["Hello", "The capital of France is", "1, 2, 3,"]), small=st.integers(1, 8),
+                unit=st.sampled_from([0.0, 0.5, 1.0]), n=st.sampled_from([1, 1, 2]),
+                top_logprobs=st.sampled_from([0, 2, 5]),
+                constraints=st.sampled_from([None, None, ("regex", "[a-z ]+"), ("json_schema", '{"type": "object"}')]),
+                roles=st.sampled_from(["user", "user", "system"]), priority=st.integers(-100, 100))
+
+
 @st.composite
-def _plausible(draw: st.DrawFn, method: Method) -> Message | None:
-    """A request of a generating RPC that often passes validation (small outputs, in-range knobs, sometimes one
-    out of range), so that a fuzz run also drives the engine: streams, n > 1, logprobs, stops, constraints."""
+def _plausible(draw: st.DrawFn, method: Method, knobs: _Knobs) -> Message | None:
+    """A request of a generating RPC that passes validation (knobs=_VALID) or often does (_SLOPPY: sometimes one
+    value out of range), so that a fuzz run also drives the engine: streams, n > 1, logprobs, stops, constraints."""
     name = method.path.rsplit("/", 1)[1]
-    constraint = draw(st.sampled_from([None, None, None, ("regex", "[a-z ]+"), ("json_schema", '{"type": "object"}'),
-                                       ("regex", "(a")]))
+    constraint = draw(knobs.constraints)
     if name == "Generate":
-        sp = generate_pb2.SamplingParams(max_new_tokens=draw(_SMALL), temperature=draw(_UNIT),
-                                         n=draw(st.sampled_from([1, 1, 2, 3, 0])),
+        sp = generate_pb2.SamplingParams(max_new_tokens=draw(knobs.small), temperature=draw(knobs.unit),
+                                         n=draw(knobs.n),
                                          stop=draw(st.lists(st.sampled_from(["\n", ".", " the", ""]), max_size=2)))
         if constraint is not None:
             setattr(sp, constraint[0], constraint[1])
-        req = generate_pb2.GenerateRequest(text=draw(st.lists(_PROMPTS, min_size=1, max_size=3)), sampling_params=[sp],
-                                           stream=draw(st.booleans()), return_logprob=draw(st.booleans()),
-                                           top_logprobs_num=draw(st.sampled_from([0, 0, 2, 5, 21])))
+        req = generate_pb2.GenerateRequest(text=draw(st.lists(knobs.prompts, min_size=1, max_size=3)),
+                                           sampling_params=[sp], stream=draw(st.booleans()),
+                                           return_logprob=draw(st.booleans()),
+                                           top_logprobs_num=draw(knobs.top_logprobs))
         if draw(st.booleans()):
-            req.priority = draw(_ints(*INT32))
+            req.priority = draw(knobs.priority)
         return req
     if name == "Complete":
-        creq = openai_pb2.CompleteRequest(prompt=draw(st.lists(_PROMPTS, min_size=1, max_size=2)),
-                                          max_tokens=draw(_SMALL), temperature=draw(_UNIT),
-                                          n=draw(st.sampled_from([1, 1, 2, 0])),
-                                          stream=draw(st.booleans()), echo=draw(st.booleans()))
+        creq = openai_pb2.CompleteRequest(prompt=draw(st.lists(knobs.prompts, min_size=1, max_size=2)),
+                                          max_tokens=draw(knobs.small), temperature=draw(knobs.unit),
+                                          n=draw(knobs.n), stream=draw(st.booleans()), echo=draw(st.booleans()))
         if draw(st.booleans()):
-            creq.logprobs = draw(st.sampled_from([0, 2, 5, 21]))
+            creq.logprobs = draw(knobs.top_logprobs)
         if constraint is not None:
             setattr(creq, constraint[0], constraint[1])
         return creq
     if name == "ChatComplete":
-        roles = st.sampled_from(["user"] * 6 + ["assistant", "system", "tool", "bogus"])
-        messages = draw(st.lists(st.builds(lambda r, c: openai_pb2.ChatMessage(role=r, content=c), roles, _PROMPTS),
-                                 min_size=1, max_size=3))
-        chat = openai_pb2.ChatCompleteRequest(messages=messages, max_tokens=draw(_SMALL), temperature=draw(_UNIT),
-                                              stream=draw(st.booleans()), logprobs=draw(st.booleans()))
+        messages = draw(st.lists(st.builds(lambda r, c: openai_pb2.ChatMessage(role=r, content=c), knobs.roles,
+                                           knobs.prompts), min_size=1, max_size=3))
+        chat = openai_pb2.ChatCompleteRequest(messages=messages, max_tokens=draw(knobs.small),
+                                              temperature=draw(knobs.unit), stream=draw(st.booleans()),
+                                              logprobs=draw(st.booleans()))
         if draw(st.booleans()):
-            chat.top_logprobs = draw(st.sampled_from([0, 2, 5, 21]))
+            chat.top_logprobs = draw(knobs.top_logprobs)
         return chat
     return None
 
 
 @st.composite
 def request_bytes(draw: st.DrawFn, method: Method) -> bytes:
-    """Bytes for `method`: a random message (usually), a plausible one (generating RPCs), one with a huge repeated
-    field, one with bad UTF-8 in a string field, or random bytes."""
+    """Bytes for `method`: a random message (usually), a valid or plausible one (generating RPCs), one with a huge
+    repeated field, one with bad UTF-8 in a string field, or random bytes."""
     descriptor = method.request.DESCRIPTOR
     # "plausible" first: hypothesis leans to a strategy's first choices when it simplifies.
-    kind = draw(st.sampled_from(["plausible"] * 4 + ["message"] * 3 + ["huge", "utf8", "garbage"]))
+    kind = draw(st.sampled_from(["valid"] * 4 + ["plausible"] * 2 + ["message"] * 3 + ["huge", "utf8", "garbage"]))
     if kind == "garbage":
         return draw(st.binary(max_size=300))
-    plausible = draw(_plausible(method)) if kind == "plausible" else None
+    knobs = {"valid": _VALID, "plausible": _SLOPPY}.get(kind)
+    plausible = draw(_plausible(method, knobs)) if knobs is not None else None
     if plausible is not None:
         return bytes(plausible.SerializeToString(deterministic=True))
     msg = draw(message(descriptor))
