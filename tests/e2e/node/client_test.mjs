@@ -164,10 +164,17 @@ async function checkCancel(client) {
   const code = grpc.status[outcome.error.code];
   check(outcome.error.code === grpc.status.CANCELLED, `expected CANCELLED, got ${code}: ${outcome.error.details}`);
   check(outcome.seen >= 1, "no delta arrived before the cancel");
-  // The server aborts a cancelled call's request: after a moment, Abort no longer finds it running.
-  await sleep(1000);
+  // The server aborts a cancelled call's request: once nothing runs or waits (GetLoad, which changes nothing;
+  // Abort would end the request itself), Abort no longer finds it. How soon is not the point: a loaded machine
+  // may take a while, so wait up to 30 s.
+  const until = Date.now() + 30000;
+  let load = await unary(client, "GetLoad", {});
+  while ((load.running_outputs > 0 || load.waiting_outputs > 0) && Date.now() < until) {
+    await sleep(250);
+    load = await unary(client, "GetLoad", {});
+  }
   const aborted = await unary(client, "Abort", { rid: [rid] });
-  check(!aborted.aborted_rid.includes(rid), `request ${rid} was still running 1 s after the cancel`);
+  check(!aborted.aborted_rid.includes(rid), `request ${rid} was still running 30 s after the cancel`);
   return { code, deltas_before_cancel: outcome.seen, still_running_after: aborted.aborted_rid };
 }
 
