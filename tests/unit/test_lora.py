@@ -6,9 +6,11 @@ errors)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,7 +72,7 @@ def _forward_logits(model: LlamaForCausalLM, tokens: list[int], adapter: LoadedA
     with torch.inference_mode():
         for start, end in steps:
             plan = attention.plan([ChunkSpec(start, end - start, pages)], torch.arange(start, end))
-            lora = (RowGroup(torch.arange(end - start), adapter.layers),) if adapter is not None else ()
+            lora = (RowGroup(torch.arange(end - start), adapter.layers, adapter.stack),) if adapter is not None else ()
             hidden = model.forward(torch.tensor(tokens[start:end]), ForwardContext(attention, plan), lora=lora)
             out.append(model.compute_logits(hidden))
     return torch.cat(out)
@@ -101,6 +103,72 @@ def test_logits_equal_peft_merged_model(arch: str, targets: tuple[str, ...], rsl
     got = _forward_logits(model, tokens, adapter)
     assert (expected - base_logits).abs().max() > 1e-2  # the adapter changes the outputs: the check has teeth
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+class _StackSpy:
+    """The native decoder stack, counting the calls that carried adapter rows (so a test knows which path ran)."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack = stack
+        self.with_lora = 0
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        self.with_lora += bool(args[-1])
+        return self.stack.forward(*args)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decoder stack needs the native kernels")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_stack_gives_the_python_loops_bits_for_a_mixed_batch(dtype: str, tiny_llama_dir: Path,
+                                                                    lora_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prefill step of five sequences (the base model, a1, a2, a3 and a1 again, so a1's rows are not contiguous),
+    then three decode steps: the native stack's logits equal the Python per-layer loop's bitwise, and the base rows
+    equal those of a step with no adapters at all."""
+    model = load_model(ModelConfig(path=str(tiny_llama_dir), dtype=dtype, device="cpu")).model
+    assert isinstance(model, LlamaForCausalLM)
+    registry = LoraRegistry(LoraConfig(), model)
+    loaded = {n: registry.load(n, str(lora_dir / n), confined=False) for n in ("a1", "a2", "a3")}
+    owners: list[LoadedAdapter | None] = [None, loaded["a1"], loaded["a2"], loaded["a3"], loaded["a1"]]
+    assert all(a is None or a.stack is not None for a in owners)
+    generator = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(3, 49152, (n + 3,), generator=generator).tolist() for n in (7, 19, 3, 25, 11)]
+    prompt_lens = [len(t) - 3 for t in tokens]
+
+    def run(path: str) -> list[torch.Tensor]:
+        attention = model.make_attention(4 * len(tokens), PAGE)
+        assert model._stack is not None  # native attention and products: the one-call stack exists
+        spy = _StackSpy(model._stack.stack)
+        monkeypatch.setattr(model, "_stack", dataclasses.replace(model._stack, stack=spy))
+        steps = [[(0, n) for n in prompt_lens]] + [[(n + d, n + d + 1) for n in prompt_lens] for d in range(3)]
+        logits = []
+        with torch.inference_mode():
+            for spans in steps:
+                chunks, ids, positions = [], [], []
+                groups: dict[int, list[int]] = {}
+                for i, (start, end) in enumerate(spans):
+                    chunks.append(ChunkSpec(start, end - start, list(range(4 * i, 4 * i + 4))))
+                    adapter = owners[i]
+                    if adapter is not None:
+                        groups.setdefault(adapter.uid, []).extend(range(len(ids), len(ids) + end - start))
+                    ids += tokens[i][start:end]
+                    positions += range(start, end)
+                by_uid = {a.uid: a for a in owners if a is not None}
+                lora = () if path == "base" else tuple(
+                    RowGroup(torch.tensor(rows), by_uid[uid].layers, by_uid[uid].stack if path == "native" else None)
+                    for uid, rows in groups.items())
+                plan = attention.plan(chunks, torch.tensor(positions))
+                hidden = model.forward(torch.tensor(ids), ForwardContext(attention, plan), lora=lora)
+                logits.append(model.compute_logits(hidden))  # [T, vocab]
+        assert spy.with_lora == (len(steps) if path == "native" else 0)
+        return logits
+
+    native_logits, python_logits, base_logits = run("native"), run("python"), run("base")
+    for step, (n, p, b) in enumerate(zip(native_logits, python_logits, base_logits, strict=True)):
+        assert torch.equal(n, p), f"step {step}"
+        base_rows = prompt_lens[0] if step == 0 else 1  # sequence 0's rows come first
+        assert torch.equal(n[:base_rows], b[:base_rows]), f"step {step}: the base rows"
+        assert (n[base_rows:] - b[base_rows:]).abs().max() > 1e-3  # the adapters change their rows
 
 
 # ---- through the engine --------------------------------------------------------------------------------------
@@ -323,7 +391,7 @@ def test_smollm2_adapter_equals_peft_merged_model(smollm2_gguf: Path, tmp_path: 
         for _ in range(32):
             start = 0 if len(seq) == 8 else len(seq) - 1
             plan = attention.plan([ChunkSpec(start, len(seq) - start, pages)], torch.arange(start, len(seq)))
-            rows = (RowGroup(torch.arange(len(seq) - start), adapter.layers),)
+            rows = (RowGroup(torch.arange(len(seq) - start), adapter.layers, adapter.stack),)
             hidden = model.forward(torch.tensor(seq[start:]), ForwardContext(attention, plan), lora=rows)
             seq.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
     assert seq[8:] == ids[0, 8:].tolist()

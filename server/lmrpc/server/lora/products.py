@@ -10,6 +10,10 @@ RMSNorm, or SiLU-and-multiply) fused into the A product and the base output adde
   other rows, or adapters, share the step;
 - rows are grouped by adapter: one A and one B product per adapter, fused projection and layer, never a loop over
   tokens.
+
+`add_delta` is the Python loop's way (models/llama.py's DecoderLayer). The native decoder stack does the same with
+the same kernels in the same order, reading and writing the group's rows where they lie (`native_adapter` gives it
+an adapter's products), so a step gives the same bits on either path.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmrpc.kernels import packing
+from lmrpc.kernels import native, packing
 from lmrpc.server.lora.adapter import AdapterFile
 from lmrpc.server.models.linear import DenseLinear, LinearLayer
 from lmrpc.server.models.quantized import LinearBuilder, NativeLinear
@@ -87,12 +91,31 @@ def _fused(adapter: AdapterFile, builder: LinearBuilder, layer: int, modules: tu
     return LowRank(dense_layer(builder, a), dense_layer(builder, b))
 
 
+def native_adapter(layers: tuple[LayerLora, ...]) -> object | None:
+    """The native decoder stack's form of an adapter (a StackAdapter holding the same kernel objects), or None when
+    its products are not all native (then steps with it run the Python loop)."""
+    per_layer: list[list[tuple[object, object] | None]] = []
+    for layer in layers:
+        products: list[tuple[object, object] | None] = []
+        for name in FUSED:
+            low: LowRank | None = getattr(layer, name)
+            if low is None:
+                products.append(None)
+            elif isinstance(low.a, NativeLinear) and isinstance(low.b, NativeLinear):
+                products.append((low.a.op, low.b.op))
+            else:
+                return None
+        per_layer.append(products)
+    return native.load().StackAdapter(per_layer)
+
+
 @dataclass(frozen=True)
 class RowGroup:
     """The rows of one step that run under one adapter."""
 
     rows: torch.Tensor  # [n] int64 indices into the step's flat token rows, ascending
     layers: tuple[LayerLora, ...]  # the adapter's per-layer deltas
+    stack: object | None = None  # native_adapter(layers), when the native decoder stack may run them
 
 
 def add_delta(out: torch.Tensor, x: torch.Tensor, groups: tuple[RowGroup, ...], layer: int, projection: str,

@@ -23,7 +23,7 @@ from pathlib import Path
 from lmrpc.server.config import LoraConfig
 from lmrpc.server.lora.adapter import ModelDims, read_adapter
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
-from lmrpc.server.lora.products import LayerLora, build_layers
+from lmrpc.server.lora.products import LayerLora, build_layers, native_adapter
 from lmrpc.server.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class LoadedAdapter:
     scale: float  # alpha / r (alpha / sqrt(r) with rsLoRA)
     target_modules: tuple[str, ...]  # PEFT module names it adapts
     layers: tuple[LayerLora, ...]  # per decoder layer, the deltas on the fused products
+    stack: object | None  # the same products for the native decoder stack (products.native_adapter), or None
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class LoraRegistry:
         file = read_adapter(directory, ModelDims(model.shape.layers, features), self.config.max_lora_rank)
         layers = build_layers(file, model.builder, model.shape.layers, features)
         return LoadedAdapter(name, next(self._uids), str(directory), file.rank, file.scale, file.target_modules,
-                             layers)
+                             layers, native_adapter(layers))
 
     # ---- unload, pins, eviction -------------------------------------------------------------------------------
 
