@@ -287,6 +287,31 @@ def test_max_loras_per_batch_bounds_each_step(tiny_llama_dir: Path, lora_dir: Pa
     assert max(seen) == 2
 
 
+def test_an_adapter_waiting_for_a_slot_is_not_overtaken_by_later_requests(tiny_llama_dir: Path,
+                                                                           lora_dir: Path) -> None:
+    """--max-loras-per-batch 1, one call: two a1 requests, then an a2 request, then ten more a1 requests. The a2
+    request runs once the two earlier a1 requests end, before any later a1 request starts (without the rule, every
+    a1 request would run first: a steady stream of them would starve a2)."""
+    engine = _start(tiny_llama_dir, lora_dir, ("a1", "a2"), max_loras=1)
+    try:
+        a1, a2 = engine.lora.get("a1"), engine.lora.get("a2")
+        requests = [_req(list(range(10 + i, 20 + i)), 4, a1 if i != 2 else a2) for i in range(13)]
+        order: list[tuple[str, bool]] = []  # (request id, finished) in the order outputs came
+
+        async def collect() -> None:
+            async for out in engine.generate(requests):
+                order.append((out.request_id, out.finish is not None))
+
+        asyncio.run(collect())
+    finally:
+        engine.shutdown()
+    b_done = order.index((requests[2].request_id, True))
+    later = {r.request_id for r in requests[3:]}
+    first_later = min(i for i, (rid, _) in enumerate(order) if rid in later)
+    assert b_done < first_later
+    assert sum(done for _, done in order) == 13
+
+
 # ---- the registry ------------------------------------------------------------------------------------------------
 
 
