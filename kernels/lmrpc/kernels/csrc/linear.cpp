@@ -63,9 +63,9 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
   if (compute == Compute::BF16) in->bf16.resize(a.m * kp, true); else in->f32.resize(a.m * kp, true);
   if (w.offset != nullptr) in->sums.resize(a.m * groups, true);
   const int64_t parts = a.m >= 8 ? omp_get_max_threads() : 1;
-#pragma omp parallel num_threads(parts)
+#pragma omp parallel num_threads(parts) if (parts > 1)
   {
-    AlignedBuffer<float> buffer;
+    thread_local AlignedBuffer<float> buffer;  // one row after its prologue; kept between calls (no malloc each)
     buffer.resize(kp);
     float* row = buffer.data();
 #pragma omp for schedule(static)
@@ -791,27 +791,36 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
   }
 }
 
+constexpr int64_t kSerialWork = int64_t{1} << 18;  // multiply-adds (rows x padded outputs x padded inputs)
+
 // The blocks of kMaxPairs tile pairs of every job, handed out a few at a time: a vCPU slowed by its host does less of
 // the work. Which thread computes a block never changes its bits. T: uint16_t (bf16 products) or float (float32).
 template <typename T>
 void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
-  std::vector<int64_t> first(count + 1, 0);  // job j's blocks are [first[j], first[j + 1])
-  int64_t pairs = 0;
+  thread_local std::vector<int64_t> starts;  // kept between calls (the calling thread's; the team reads `first`)
+  starts.assign(count + 1, 0);
+  int64_t* first = starts.data();  // job j's blocks are [first[j], first[j + 1])
+  int64_t pairs = 0, work = 0;
   for (int64_t j = 0; j < count; ++j) {
-    const int64_t job_pairs = jobs[j].w->n_pad / 32;
+    const PackedWeight& w = *jobs[j].w;
+    const int64_t job_pairs = w.n_pad / 32;
     pairs += job_pairs;
+    work += jobs[j].args.m * w.n_pad * w.k_pad;
     first[j + 1] = first[j] + (job_pairs + kMaxPairs - 1) / kMaxPairs;
   }
-  const Q4Table tables[2] = {Q4Table(false), Q4Table(true)};
-  const int threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), pairs));
+  static const Q4Table tables[2] = {Q4Table(false), Q4Table(true)};
+  // Work smaller than a thread hand-off costs (a decode step's LoRA products: a few rows of rank-16 matrices) stays
+  // on the calling thread. Which thread computes a block never changes its bits.
+  const int threads =
+      work < kSerialWork ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), pairs)));
   const int64_t blocks = first[count];
   const int64_t grab = std::max<int64_t>(1, blocks / (8 * threads));
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    AlignedBuffer<T> buffer;
+    thread_local AlignedBuffer<T> buffer;  // expanded weights, each thread's own; kept between calls
 #pragma omp for schedule(dynamic, grab)
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t j = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+      const int64_t j = std::upper_bound(first, first + count + 1, b) - first - 1;
       const PackedWeight& w = *jobs[j].w;
       const Q4Table& table = tables[w.q4_signed ? 1 : 0];
       const int64_t job_pairs = w.n_pad / 32, p = (b - first[j]) * kMaxPairs;
@@ -832,12 +841,15 @@ void linear(const PackedWeight& w, Compute compute, const LinearArgs& args) {
 }
 
 void linear_batch(const LinearJob* jobs, int64_t count, Compute compute) {
-  std::vector<LinearJob> work;  // the jobs with rows
+  // Kept between calls, per thread: a step makes hundreds of these calls, each would otherwise allocate them.
+  thread_local std::vector<LinearJob> work;  // the jobs with rows
+  thread_local std::vector<Inputs> in;
+  work.clear();
   for (int64_t j = 0; j < count; ++j) {
     if (jobs[j].args.m > 0) work.push_back(jobs[j]);
   }
   if (work.empty()) return;
-  std::vector<Inputs> in(work.size());
+  if (in.size() < work.size()) in.resize(work.size());
   for (size_t j = 0; j < work.size(); ++j) prepare_inputs(*work[j].w, compute, work[j].args, &in[j]);
   const int64_t n = static_cast<int64_t>(work.size());
   if (compute == Compute::BF16) products<uint16_t>(work.data(), in.data(), n); else products<float>(work.data(), in.data(), n);

@@ -36,7 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"),
            py::arg("post_attention_norm"), py::arg("q_norm"), py::arg("k_norm"));
   py::class_<StackAdapter, std::shared_ptr<StackAdapter>>(m, "StackAdapter")
-      .def(py::init<const std::vector<std::vector<std::optional<StackAdapter::Pair>>>&>(), py::arg("layers"));
+      .def(py::init<const std::vector<std::vector<std::optional<StackAdapter::Delta>>>&>(), py::arg("layers"));
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<std::vector<StackLayer>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, double,
                     double>(),

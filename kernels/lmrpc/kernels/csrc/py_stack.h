@@ -11,6 +11,7 @@
 #include <array>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -27,21 +28,27 @@ struct StackLayer {
 };
 
 // One LoRA adapter's deltas on every layer (lora/products.py's LayerLora): per layer and product (qkv, o, gate_up,
-// down) the low-rank pair x -> b(a(x)), or none where the adapter leaves that product alone.
+// down) an A product and one B product per targeted module (its rank columns of A's output -> its slice of the
+// product's output), or none where the adapter leaves that product alone.
 struct StackAdapter {
-  using Pair = std::pair<std::shared_ptr<PackedLinear>, std::shared_ptr<PackedLinear>>;  // (a, b)
-  std::vector<std::array<std::optional<Pair>, 4>> layers;
+  using Part = std::tuple<std::shared_ptr<PackedLinear>, int64_t, int64_t>;  // (b, rank_start, out_start)
+  using Delta = std::pair<std::shared_ptr<PackedLinear>, std::vector<Part>>;  // (a, parts)
+  std::vector<std::array<std::optional<Delta>, 4>> layers;
 
-  explicit StackAdapter(const std::vector<std::vector<std::optional<Pair>>>& per_layer) {
+  explicit StackAdapter(const std::vector<std::vector<std::optional<Delta>>>& per_layer) {
     for (const auto& products : per_layer) {
-      TORCH_CHECK(products.size() == 4, "a layer's deltas: (qkv, o, gate_up, down), each (a, b) or None");
-      std::array<std::optional<Pair>, 4> layer;
+      TORCH_CHECK(products.size() == 4, "a layer's deltas: (qkv, o, gate_up, down), each (a, parts) or None");
+      std::array<std::optional<Delta>, 4> layer;
       for (size_t p = 0; p < 4; ++p) {
         if (products[p].has_value()) {
-          const Pair& pair = *products[p];
-          TORCH_CHECK(pair.first && pair.second && pair.first->n() == pair.second->k(),
-                      "a delta's b reads what its a writes");
-          TORCH_CHECK(pair.first->compute() == pair.second->compute(), "a delta's products share a compute type");
+          const Delta& d = *products[p];
+          TORCH_CHECK(d.first && !d.second.empty(), "a delta: an A product and at least one B product");
+          for (const Part& part : d.second) {
+            const auto& b = std::get<0>(part);
+            TORCH_CHECK(b && std::get<1>(part) >= 0 && std::get<1>(part) + b->k() <= d.first->n() &&
+                            std::get<2>(part) >= 0 && b->compute() == d.first->compute(),
+                        "a B product reads columns of its A product's output, in the same compute type");
+          }
         }
         layer[p] = products[p];
       }
@@ -76,7 +83,7 @@ class DecoderStack {
     at::Tensor attn = at::empty({t, heads_ * head_dim}, x.options());
     at::Tensor qkv = at::empty({t, layers_.front().qkv->n()}, x.options());
     at::Tensor gate_up = at::empty({t, layers_.front().gate_up->n()}, x.options());
-    const Deltas deltas = check_lora(lora, t, x.options());
+    Deltas deltas = check_lora(lora, t, x.options());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       project(deltas, i, 0, *l.qkv, x, &l.input_norm, eps_, false, nullptr, qkv);
@@ -91,17 +98,25 @@ class DecoderStack {
   }
 
  private:
-  // The step's adapter groups, checked, and the scratch their low-rank products write: group g's a outputs are
-  // rows [offset[g], offset[g] + n) of `ranks` (one buffer for the step, every layer and product reusing it).
+  // The step's adapter groups, checked, and the scratch their low-rank products write: group g's A outputs are
+  // rows [offset[g], offset[g] + n) of `ranks` (one buffer for the step, every layer and product reusing it), and
+  // the job lists every projection refills.
+  struct Group {
+    const int64_t* rows;  // [n] ascending indices into the step's rows
+    int64_t n;
+    const StackAdapter* adapter;
+    float* h;  // its rows of `ranks`
+  };
   struct Deltas {
-    const std::vector<StackGroup>* groups;
-    std::vector<int64_t> offset;
-    at::Tensor ranks;  // [rows under adapters, widest a product]
+    std::vector<Group> groups;
+    at::Tensor ranks;  // [rows under adapters, widest A product]
+    int64_t h_stride = 0;
+    std::vector<lmrpc::LinearJob> first, second;
   };
 
   Deltas check_lora(const std::vector<StackGroup>& lora, int64_t t, const at::TensorOptions& options) const {
-    Deltas d{&lora, {}, {}};
-    int64_t rows = 0, widest = 0;
+    Deltas d;
+    int64_t rows = 0, widest = 1;
     for (const StackGroup& g : lora) {
       const at::Tensor& r = g.first;
       TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 1 && r.is_contiguous() && r.device().is_cpu(),
@@ -113,47 +128,77 @@ class DecoderStack {
         const StackLayer& l = layers_[i];
         const PackedLinear* base[4] = {l.qkv.get(), l.o.get(), l.gate_up.get(), l.down.get()};
         for (size_t p2 = 0; p2 < 4; ++p2) {
-          const auto& pair = g.second->layers[i][p2];
-          if (!pair.has_value()) continue;
-          TORCH_CHECK(pair->first->k() == base[p2]->k() && pair->second->n() == base[p2]->n() &&
-                          pair->first->compute() == base[p2]->compute(),
-                      "an adapter's delta must match its base product's widths and compute type");
-          widest = std::max(widest, pair->first->n());
+          const auto& delta = g.second->layers[i][p2];
+          if (!delta.has_value()) continue;
+          TORCH_CHECK(delta->first->k() == base[p2]->k() && delta->first->compute() == base[p2]->compute(),
+                      "an adapter's A product must read its base product's input, in its compute type");
+          for (const auto& part : delta->second) {
+            TORCH_CHECK(std::get<2>(part) + std::get<0>(part)->n() <= base[p2]->n(),
+                        "an adapter's B product must write within its base product's output");
+          }
+          widest = std::max(widest, delta->first->n());
         }
       }
-      d.offset.push_back(rows);
+      d.groups.push_back({p, r.numel(), g.second.get(), nullptr});
       rows += r.numel();
     }
-    d.ranks = at::empty({rows, std::max<int64_t>(widest, 1)}, options);
+    d.ranks = at::empty({rows, widest}, options);
+    d.h_stride = widest;
+    int64_t offset = 0;
+    for (Group& g : d.groups) {
+      g.h = d.ranks.data_ptr<float>() + offset * widest;
+      offset += g.n;
+    }
+    d.first.reserve(1 + d.groups.size());
+    d.second.reserve(4 * d.groups.size());
     return d;
   }
 
-  // y = base(x) as in the Python loop, then each group's delta on its rows as add_delta computes it: a over the
-  // group's rows of x with the base product's prologue (norm or silu), then b over those with the rows of y as
-  // residual, written back to them. The base product and the a products read only x and run in one batch; the b
-  // products, which read y, in a second one.
-  void project(const Deltas& d, size_t layer, size_t product, const PackedLinear& base, const at::Tensor& x,
+  // y = base(x) as in the Python loop, then each group's delta on its rows as add_delta computes it: A over the
+  // group's rows of x with the base product's prologue (norm or silu), then each module's B over its columns of
+  // that with its columns of the rows of y as residual, written back to them. The base product and the A products
+  // read only x and run in one batch; the B products, which read y, in a second one. (Shapes were checked by
+  // check_lora and the StackAdapter: the arguments are built here from pointers, no tensor ops per product.)
+  void project(Deltas& d, size_t layer, size_t product, const PackedLinear& base, const at::Tensor& x,
                const at::Tensor* norm, double eps, bool silu, const at::Tensor* residual, const at::Tensor& y) const {
-    if (d.groups->empty()) {
+    if (d.groups.empty()) {
       base.run(x, norm, eps, silu, residual, y);
       return;
     }
     TORCH_CHECK(y.size(0) == x.size(0) && (residual == nullptr || residual->size(0) == x.size(0)),
                 "out and residual: as many rows as x");
-    std::vector<lmrpc::LinearJob> jobs{{&base.weight(), base.args(x, x.size(0), norm, eps, silu, residual, y)}};
-    std::vector<lmrpc::LinearJob> second;
-    for (size_t g = 0; g < d.groups->size(); ++g) {
-      const StackGroup& group = (*d.groups)[g];
-      const auto& pair = group.second->layers[layer][product];
-      const int64_t n = group.first.numel();
-      if (!pair.has_value() || n == 0) continue;
-      const int64_t* rows = group.first.data_ptr<int64_t>();
-      const at::Tensor h = d.ranks.narrow(0, d.offset[g], n);  // [n, >= ranks]
-      jobs.push_back({&pair->first->weight(), pair->first->args(x, n, norm, eps, silu, nullptr, h, rows, nullptr)});
-      second.push_back({&pair->second->weight(), pair->second->args(h, n, nullptr, 0.0, false, &y, y, nullptr, rows)});
+    const lmrpc::LinearArgs base_args = base.args(x, x.size(0), norm, eps, silu, residual, y);
+    d.first.clear();
+    d.second.clear();
+    d.first.push_back({&base.weight(), base_args});
+    for (const Group& g : d.groups) {
+      const auto& delta = g.adapter->layers[layer][product];
+      if (!delta.has_value() || g.n == 0) continue;
+      lmrpc::LinearArgs a = base_args;  // the base product's input rows and prologue
+      a.m = g.n;
+      a.x_rows = g.rows;
+      a.residual = nullptr;
+      a.residual_stride = 0;
+      a.y = g.h;
+      a.y_stride = d.h_stride;
+      a.y_rows = nullptr;
+      d.first.push_back({&delta->first->weight(), a});
+      for (const auto& [b, rank_start, out_start] : delta->second) {
+        lmrpc::LinearArgs bargs{};
+        bargs.x = g.h + rank_start;  // [n, rank] within h's rows
+        bargs.m = g.n;
+        bargs.x_stride = d.h_stride;
+        bargs.prologue = lmrpc::Prologue::NONE;
+        bargs.residual = base_args.y + out_start;  // the module's columns of the group's rows of y
+        bargs.residual_stride = base_args.y_stride;
+        bargs.y = base_args.y + out_start;
+        bargs.y_stride = base_args.y_stride;
+        bargs.y_rows = g.rows;
+        d.second.push_back({&b->weight(), bargs});
+      }
     }
-    lmrpc::linear_batch(jobs.data(), static_cast<int64_t>(jobs.size()), base.compute());
-    lmrpc::linear_batch(second.data(), static_cast<int64_t>(second.size()), base.compute());
+    lmrpc::linear_batch(d.first.data(), static_cast<int64_t>(d.first.size()), base.compute());
+    lmrpc::linear_batch(d.second.data(), static_cast<int64_t>(d.second.size()), base.compute());
   }
 
  private:
