@@ -27,6 +27,7 @@ from transformers import (
 
 from lmrpc.kernels import native
 from lmrpc.kernels.paged import ChunkSpec
+from lmrpc.server import validation
 from lmrpc.server.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import ScheduledBatch
@@ -369,22 +370,58 @@ def test_rank_above_the_limit_and_foreign_modules_are_invalid(tiny_model: LlamaF
     assert registry.names() == ["a1"]
 
 
-def test_lru_eviction_spares_adapters_in_use(tiny_model: LlamaForCausalLM, lora_dir: Path) -> None:
+def test_lru_eviction_spares_adapters_in_use_and_never_exceeds_the_limit(tiny_model: LlamaForCausalLM,
+                                                                          lora_dir: Path) -> None:
     registry = LoraRegistry(LoraConfig(lora_root=str(lora_dir), max_loaded_loras=2), tiny_model)
     a1, a2 = registry.resolve("a1"), registry.resolve("a2")
     registry.pin([a1])
     registry.resolve("a3")  # a2 is the least recently used one not in use
     assert registry.names() == ["a1", "a3"]
     registry.pin([registry.resolve("a3")])
-    registry.resolve("a4")  # everything loaded is in use: loaded beyond the limit, nothing evicted
-    assert registry.names() == ["a1", "a3", "a4"]
-    registry.unpin([a1])  # a1 no longer in use: the excess goes
+    with pytest.raises(AdapterError) as err:
+        registry.resolve("a4")  # everything loaded is in use: no third adapter
+    assert err.value.kind is AdapterErrorKind.EXHAUSTED and "--max-loaded-loras 2" in err.value.message
+    assert registry.names() == ["a1", "a3"] and registry.room_may_free()
+    registry.unpin([a1])  # a1 no longer in use: it makes room
+    registry.resolve("a4")
     assert registry.names() == ["a3", "a4"]
     assert [a.in_use for a in registry.list()] == [1, 0]
     assert registry.get("a2") is None and a2.layers  # an evicted adapter's object still works for its requests
     registry.unload("a4")
     assert registry.names() == ["a3"]
     assert _kind(lambda: registry.unload("a4")) is AdapterErrorKind.NOT_FOUND
+
+
+def test_adapters_loaded_at_start_are_never_evicted(tiny_model: LlamaForCausalLM, lora_dir: Path) -> None:
+    registry = LoraRegistry(LoraConfig(lora_root=str(lora_dir), max_loaded_loras=2), tiny_model)
+    registry.load("start", str(lora_dir / "a1"), confined=False, pinned=True)  # as --lora-modules does
+    for name in ("a2", "a3", "a4", "a2"):  # the one other slot turns over; the pinned adapter stays
+        registry.resolve(name)
+        assert registry.names() == ["start", name]
+    registry.load("start2", str(lora_dir / "a3"), confined=False, pinned=True)  # evicts a2, the last unpinned one
+    assert registry.names() == ["start", "start2"] and not registry.room_may_free()
+    assert _kind(lambda: registry.resolve("a4")) is AdapterErrorKind.EXHAUSTED  # pinned for good: no wait helps
+    registry.unload("start2")  # an admin may still unload one
+    assert registry.resolve("a4").name == "a4" and registry.names() == ["start", "a4"]
+
+
+def test_a_request_waits_for_room_until_a_call_ends(tiny_model: LlamaForCausalLM, lora_dir: Path) -> None:
+    """--max-loaded-loras 1 with a1 in use: resolving a2 for a request waits (no error) until a1's call ends."""
+    registry = LoraRegistry(LoraConfig(lora_root=str(lora_dir), max_loaded_loras=1), tiny_model)
+    a1 = registry.resolve("a1")
+    registry.pin([a1])
+
+    async def scenario() -> LoadedAdapter | None:
+        waiting = asyncio.create_task(validation.resolve_adapter(registry, "a2", "lora_path[0]"))
+        while not registry._room_waiters:  # the request is parked on the event loop (no thread held)
+            assert not waiting.done()
+            await asyncio.sleep(0.01)
+        assert registry.names() == ["a1"]
+        registry.unpin([a1])  # the call using a1 ends
+        return await waiting
+
+    adapter = asyncio.run(scenario())
+    assert adapter is not None and adapter.name == "a2" and registry.names() == ["a2"]
 
 
 def test_smollm2_adapter_equals_peft_merged_model(smollm2_gguf: Path, tmp_path: Path) -> None:
