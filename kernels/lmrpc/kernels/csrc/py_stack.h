@@ -98,9 +98,9 @@ class DecoderStack {
   }
 
  private:
-  // The step's adapter groups, checked, and the scratch their low-rank products write: group g's A outputs are
-  // rows [offset[g], offset[g] + n) of `ranks` (one buffer for the step, every layer and product reusing it), and
-  // the job lists every projection refills.
+  // The step's adapter groups, checked, and the scratch their low-rank products write: each group's A outputs are
+  // its own n rows of `ranks` (one buffer for the step, every layer and product reusing it), and the job lists
+  // every projection refills.
   struct Group {
     const int64_t* rows;  // [n] ascending indices into the step's rows
     int64_t n;
@@ -117,13 +117,17 @@ class DecoderStack {
   Deltas check_lora(const std::vector<StackGroup>& lora, int64_t t, const at::TensorOptions& options) const {
     Deltas d;
     int64_t rows = 0, widest = 1;
+    std::vector<char> taken(lora.empty() ? 0 : t, 0);  // groups must be disjoint: their B products write their rows
     for (const StackGroup& g : lora) {
       const at::Tensor& r = g.first;
       TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 1 && r.is_contiguous() && r.device().is_cpu(),
                   "a group's rows: contiguous int64 [n]");
       TORCH_CHECK(g.second && g.second->layers.size() == layers_.size(), "an adapter's deltas: one per layer");
       const int64_t* p = r.data_ptr<int64_t>();
-      for (int64_t j = 0; j < r.numel(); ++j) TORCH_CHECK(p[j] >= 0 && p[j] < t, "a group's row out of range");
+      for (int64_t j = 0; j < r.numel(); ++j) {
+        TORCH_CHECK(p[j] >= 0 && p[j] < t && !taken[p[j]], "a group's row out of range, or in two groups");
+        taken[p[j]] = 1;
+      }
       for (size_t i = 0; i < layers_.size(); ++i) {
         const StackLayer& l = layers_[i];
         const PackedLinear* base[4] = {l.qkv.get(), l.o.get(), l.gate_up.get(), l.down.get()};
