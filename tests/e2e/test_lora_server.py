@@ -1,10 +1,12 @@
 """LoRA adapters on a real server (the tiny random Llama, adapters made with peft at test time): lora_path and
 "base:adapter", the lifecycle RPCs, eviction under --max-loaded-loras 2 with 4 adapters in rotation, unload while a
-request is in flight, and every error status, the server serving on after each."""
+request is in flight, and every error status, the server serving on after each; the `lmrpc lora` CLI against it, and
+a server without --enable-lora-admin."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import threading
 import urllib.request
@@ -17,6 +19,7 @@ import pytest
 from lora_adapters import make_adapter
 
 from lmrpc.client import Client, FinishReason, LmrpcError
+from lmrpc.client.cli import main as cli
 
 if TYPE_CHECKING:
     from conftest import RunningServer
@@ -127,14 +130,15 @@ def test_four_adapters_rotate_through_two_slots(lc: Client) -> None:
     names = ["r1", "r2", "r3", "r4"]
     alone = {(p, n): _tokens(lc, p, n) for p in prompts[:2] for n in names}  # one at a time: loads and evictions
     assert len({tuple(t) for t in alone.values()}) > 2  # the adapters differ (random weights: some outputs agree)
-    assert len(lc.list_lora_adapters()) <= 3  # m1 + the 2 slots' worth, minus what was evicted
+    names_loaded = [a.name for a in lc.list_lora_adapters()]
+    assert "m1" in names_loaded and len(names_loaded) == 2  # m1 pinned (loaded at start); never more than the limit
     jobs = [(p, n) for p in prompts[:2] for n in names] * 2
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda job: _tokens(lc, job[0], job[1]), jobs))
     for job, tokens in zip(jobs, got, strict=True):
         assert tokens == alone[job], job
-    loaded = lc.list_lora_adapters()
-    assert len(loaded) <= 2 and all(a.in_use == 0 for a in loaded)
+    loaded = lc.list_lora_adapters()  # requests for a third adapter waited for a slot rather than exceed the limit
+    assert len(loaded) == 2 and "m1" in {a.name for a in loaded} and all(a.in_use == 0 for a in loaded)
 
 
 def test_unload_in_flight_lets_the_request_finish(lc: Client) -> None:
@@ -158,6 +162,9 @@ def test_unload_in_flight_lets_the_request_finish(lc: Client) -> None:
     thread.start()
     assert started.wait(60)
     assert any(a.name == "u1" and a.in_use == 1 for a in lc.list_lora_adapters())
+    # m1 (pinned) and u1 (in use) fill --max-loaded-loras 2: an admin load fails at once rather than wait
+    err = _error(lambda: lc.load_lora_adapter("u2", "r2"))
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-loaded-loras" in err.message
     lc.unload_lora_adapter("u1")
     thread.join(120)
     tokens, finish = outcome
@@ -166,3 +173,62 @@ def test_unload_in_flight_lets_the_request_finish(lc: Client) -> None:
     err = _error(lambda: lc.generate("hi", sampling_params=GREEDY, lora_path="u1"))
     assert err.code == grpc.StatusCode.NOT_FOUND and "'u1'" in err.message
     assert all(a.name != "u1" for a in lc.list_lora_adapters())
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_lora_load_list_generate_unload(lc: Client, lora_server: RunningServer,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    target = ("--target", lora_server.target)
+    code, out, err = _cli(capsys, "lora", "load", "c1", "r3", *target)
+    assert code == 0, err
+    assert out.startswith("c1\t") and "\trank 12\t" in out and "in use 0" in out
+    code, out, _ = _cli(capsys, "lora", "list", *target)
+    listed = [line.split("\t")[0] for line in out.splitlines()]
+    assert code == 0 and "c1" in listed and "m1" in listed
+    code, out, _ = _cli(capsys, "lora", "list", "--json", *target)
+    assert code == 0 and [json.loads(line)["name"] for line in out.splitlines()] == listed
+    code, out, err = _cli(capsys, "generate", "Once upon a time", "--lora", "c1", "--max-new-tokens", "8",
+                          "--temperature", "0", "--ignore-eos", *target)
+    [expected] = lc.generate("Once upon a time", sampling_params=GREEDY, lora_path="c1")
+    assert code == 0 and out == expected.text + "\n", err
+    code, out, err = _cli(capsys, "lora", "unload", "c1", *target)
+    assert code == 0 and out == "" and err == ""
+    assert "c1" not in [a.name for a in lc.list_lora_adapters()]
+    code, out, err = _cli(capsys, "lora", "unload", "c1", *target)
+    assert code == 1 and out == "" and err.startswith("lmrpc: error: NOT_FOUND") and "'c1'" in err
+    code, _, err = _cli(capsys, "lora", "load", "c2", "../outside", *target)
+    assert code == 1 and "PERMISSION_DENIED" in err and "--lora-root" in err
+
+
+def test_without_the_admin_flag_load_and_unload_answer_permission_denied(
+        launch_server: Callable[..., RunningServer], tiny_llama_dir: Path, adapters: tuple[Path, Path],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    root, _ = adapters
+    running = launch_server("--model", str(tiny_llama_dir), "--dtype", "float32", "--lora-root", str(root),
+                            "--kv-cache-tokens", "4096")
+    try:
+        with Client(running.target) as c:
+            for call in (lambda: c.load_lora_adapter("x", "r1"), lambda: c.unload_lora_adapter("x")):
+                err = _error(call)
+                assert err.code == grpc.StatusCode.PERMISSION_DENIED and "--enable-lora-admin" in err.message
+            assert c.list_lora_adapters() == []  # listing is always served
+            assert len(_tokens(c, "hi", "r1")) == 8  # requests still load adapters by path under the root
+            assert [a.name for a in c.list_lora_adapters()] == ["r1"]
+        for argv in (("lora", "load", "x", "r1"), ("lora", "unload", "r1")):
+            code, out, err = _cli(capsys, *argv, "--target", running.target)
+            assert code == 1 and out == ""
+            assert err.startswith("lmrpc: error: PERMISSION_DENIED") and "--enable-lora-admin" in err
+        code, out, _ = _cli(capsys, "lora", "list", "--target", running.target)
+        assert code == 0 and out.startswith("r1\t")
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        try:
+            assert running.process.wait(timeout=60) == 0
+        finally:
+            if running.process.poll() is None:
+                running.process.kill()

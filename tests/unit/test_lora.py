@@ -6,9 +6,11 @@ errors)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from transformers import (
 
 from lmrpc.kernels import native
 from lmrpc.kernels.paged import ChunkSpec
+from lmrpc.server import validation
 from lmrpc.server.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import ScheduledBatch
@@ -70,7 +73,7 @@ def _forward_logits(model: LlamaForCausalLM, tokens: list[int], adapter: LoadedA
     with torch.inference_mode():
         for start, end in steps:
             plan = attention.plan([ChunkSpec(start, end - start, pages)], torch.arange(start, end))
-            lora = (RowGroup(torch.arange(end - start), adapter.layers),) if adapter is not None else ()
+            lora = (RowGroup(torch.arange(end - start), adapter.layers, adapter.stack),) if adapter is not None else ()
             hidden = model.forward(torch.tensor(tokens[start:end]), ForwardContext(attention, plan), lora=lora)
             out.append(model.compute_logits(hidden))
     return torch.cat(out)
@@ -101,6 +104,72 @@ def test_logits_equal_peft_merged_model(arch: str, targets: tuple[str, ...], rsl
     got = _forward_logits(model, tokens, adapter)
     assert (expected - base_logits).abs().max() > 1e-2  # the adapter changes the outputs: the check has teeth
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+class _StackSpy:
+    """The native decoder stack, counting the calls that carried adapter rows (so a test knows which path ran)."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack = stack
+        self.with_lora = 0
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        self.with_lora += bool(args[-1])
+        return self.stack.forward(*args)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decoder stack needs the native kernels")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_stack_gives_the_python_loops_bits_for_a_mixed_batch(dtype: str, tiny_llama_dir: Path,
+                                                                    lora_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prefill step of five sequences (the base model, a1, a2, a3 and a1 again, so a1's rows are not contiguous),
+    then three decode steps: the native stack's logits equal the Python per-layer loop's bitwise, and the base rows
+    equal those of a step with no adapters at all."""
+    model = load_model(ModelConfig(path=str(tiny_llama_dir), dtype=dtype, device="cpu")).model
+    assert isinstance(model, LlamaForCausalLM)
+    registry = LoraRegistry(LoraConfig(), model)
+    loaded = {n: registry.load(n, str(lora_dir / n), confined=False) for n in ("a1", "a2", "a3")}
+    owners: list[LoadedAdapter | None] = [None, loaded["a1"], loaded["a2"], loaded["a3"], loaded["a1"]]
+    assert all(a is None or a.stack is not None for a in owners)
+    generator = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(3, 49152, (n + 3,), generator=generator).tolist() for n in (7, 19, 3, 25, 11)]
+    prompt_lens = [len(t) - 3 for t in tokens]
+
+    def run(path: str) -> list[torch.Tensor]:
+        attention = model.make_attention(4 * len(tokens), PAGE)
+        assert model._stack is not None  # native attention and products: the one-call stack exists
+        spy = _StackSpy(model._stack.stack)
+        monkeypatch.setattr(model, "_stack", dataclasses.replace(model._stack, stack=spy))
+        steps = [[(0, n) for n in prompt_lens]] + [[(n + d, n + d + 1) for n in prompt_lens] for d in range(3)]
+        logits = []
+        with torch.inference_mode():
+            for spans in steps:
+                chunks, ids, positions = [], [], []
+                groups: dict[int, list[int]] = {}
+                for i, (start, end) in enumerate(spans):
+                    chunks.append(ChunkSpec(start, end - start, list(range(4 * i, 4 * i + 4))))
+                    adapter = owners[i]
+                    if adapter is not None:
+                        groups.setdefault(adapter.uid, []).extend(range(len(ids), len(ids) + end - start))
+                    ids += tokens[i][start:end]
+                    positions += range(start, end)
+                by_uid = {a.uid: a for a in owners if a is not None}
+                lora = () if path == "base" else tuple(
+                    RowGroup(torch.tensor(rows), by_uid[uid].layers, by_uid[uid].stack if path == "native" else None)
+                    for uid, rows in groups.items())
+                plan = attention.plan(chunks, torch.tensor(positions))
+                hidden = model.forward(torch.tensor(ids), ForwardContext(attention, plan), lora=lora)
+                logits.append(model.compute_logits(hidden))  # [T, vocab]
+        assert spy.with_lora == (len(steps) if path == "native" else 0)
+        return logits
+
+    native_logits, python_logits, base_logits = run("native"), run("python"), run("base")
+    for step, (n, p, b) in enumerate(zip(native_logits, python_logits, base_logits, strict=True)):
+        assert torch.equal(n, p), f"step {step}"
+        base_rows = prompt_lens[0] if step == 0 else 1  # sequence 0's rows come first
+        assert torch.equal(n[:base_rows], b[:base_rows]), f"step {step}: the base rows"
+        assert (n[base_rows:] - b[base_rows:]).abs().max() > 1e-3  # the adapters change their rows
 
 
 # ---- through the engine --------------------------------------------------------------------------------------
@@ -219,6 +288,31 @@ def test_max_loras_per_batch_bounds_each_step(tiny_llama_dir: Path, lora_dir: Pa
     assert max(seen) == 2
 
 
+def test_an_adapter_waiting_for_a_slot_is_not_overtaken_by_later_requests(tiny_llama_dir: Path,
+                                                                           lora_dir: Path) -> None:
+    """--max-loras-per-batch 1, one call: two a1 requests, then an a2 request, then ten more a1 requests. The a2
+    request runs once the two earlier a1 requests end, before any later a1 request starts (without the rule, every
+    a1 request would run first: a steady stream of them would starve a2)."""
+    engine = _start(tiny_llama_dir, lora_dir, ("a1", "a2"), max_loras=1)
+    try:
+        a1, a2 = engine.lora.get("a1"), engine.lora.get("a2")
+        requests = [_req(list(range(10 + i, 20 + i)), 4, a1 if i != 2 else a2) for i in range(13)]
+        order: list[tuple[str, bool]] = []  # (request id, finished) in the order outputs came
+
+        async def collect() -> None:
+            async for out in engine.generate(requests):
+                order.append((out.request_id, out.finish is not None))
+
+        asyncio.run(collect())
+    finally:
+        engine.shutdown()
+    b_done = order.index((requests[2].request_id, True))
+    later = {r.request_id for r in requests[3:]}
+    first_later = min(i for i, (rid, _) in enumerate(order) if rid in later)
+    assert b_done < first_later
+    assert sum(done for _, done in order) == 13
+
+
 # ---- the registry ------------------------------------------------------------------------------------------------
 
 
@@ -276,22 +370,58 @@ def test_rank_above_the_limit_and_foreign_modules_are_invalid(tiny_model: LlamaF
     assert registry.names() == ["a1"]
 
 
-def test_lru_eviction_spares_adapters_in_use(tiny_model: LlamaForCausalLM, lora_dir: Path) -> None:
+def test_lru_eviction_spares_adapters_in_use_and_never_exceeds_the_limit(tiny_model: LlamaForCausalLM,
+                                                                          lora_dir: Path) -> None:
     registry = LoraRegistry(LoraConfig(lora_root=str(lora_dir), max_loaded_loras=2), tiny_model)
     a1, a2 = registry.resolve("a1"), registry.resolve("a2")
     registry.pin([a1])
     registry.resolve("a3")  # a2 is the least recently used one not in use
     assert registry.names() == ["a1", "a3"]
     registry.pin([registry.resolve("a3")])
-    registry.resolve("a4")  # everything loaded is in use: loaded beyond the limit, nothing evicted
-    assert registry.names() == ["a1", "a3", "a4"]
-    registry.unpin([a1])  # a1 no longer in use: the excess goes
+    with pytest.raises(AdapterError) as err:
+        registry.resolve("a4")  # everything loaded is in use: no third adapter
+    assert err.value.kind is AdapterErrorKind.EXHAUSTED and "--max-loaded-loras 2" in err.value.message
+    assert registry.names() == ["a1", "a3"] and registry.room_may_free()
+    registry.unpin([a1])  # a1 no longer in use: it makes room
+    registry.resolve("a4")
     assert registry.names() == ["a3", "a4"]
     assert [a.in_use for a in registry.list()] == [1, 0]
     assert registry.get("a2") is None and a2.layers  # an evicted adapter's object still works for its requests
     registry.unload("a4")
     assert registry.names() == ["a3"]
     assert _kind(lambda: registry.unload("a4")) is AdapterErrorKind.NOT_FOUND
+
+
+def test_adapters_loaded_at_start_are_never_evicted(tiny_model: LlamaForCausalLM, lora_dir: Path) -> None:
+    registry = LoraRegistry(LoraConfig(lora_root=str(lora_dir), max_loaded_loras=2), tiny_model)
+    registry.load("start", str(lora_dir / "a1"), confined=False, pinned=True)  # as --lora-modules does
+    for name in ("a2", "a3", "a4", "a2"):  # the one other slot turns over; the pinned adapter stays
+        registry.resolve(name)
+        assert registry.names() == ["start", name]
+    registry.load("start2", str(lora_dir / "a3"), confined=False, pinned=True)  # evicts a2, the last unpinned one
+    assert registry.names() == ["start", "start2"] and not registry.room_may_free()
+    assert _kind(lambda: registry.resolve("a4")) is AdapterErrorKind.EXHAUSTED  # pinned for good: no wait helps
+    registry.unload("start2")  # an admin may still unload one
+    assert registry.resolve("a4").name == "a4" and registry.names() == ["start", "a4"]
+
+
+def test_a_request_waits_for_room_until_a_call_ends(tiny_model: LlamaForCausalLM, lora_dir: Path) -> None:
+    """--max-loaded-loras 1 with a1 in use: resolving a2 for a request waits (no error) until a1's call ends."""
+    registry = LoraRegistry(LoraConfig(lora_root=str(lora_dir), max_loaded_loras=1), tiny_model)
+    a1 = registry.resolve("a1")
+    registry.pin([a1])
+
+    async def scenario() -> LoadedAdapter | None:
+        waiting = asyncio.create_task(validation.resolve_adapter(registry, "a2", "lora_path[0]"))
+        while not registry._room_waiters:  # the request is parked on the event loop (no thread held)
+            assert not waiting.done()
+            await asyncio.sleep(0.01)
+        assert registry.names() == ["a1"]
+        registry.unpin([a1])  # the call using a1 ends
+        return await waiting
+
+    adapter = asyncio.run(scenario())
+    assert adapter is not None and adapter.name == "a2" and registry.names() == ["a2"]
 
 
 def test_smollm2_adapter_equals_peft_merged_model(smollm2_gguf: Path, tmp_path: Path) -> None:
@@ -323,7 +453,7 @@ def test_smollm2_adapter_equals_peft_merged_model(smollm2_gguf: Path, tmp_path: 
         for _ in range(32):
             start = 0 if len(seq) == 8 else len(seq) - 1
             plan = attention.plan([ChunkSpec(start, len(seq) - start, pages)], torch.arange(start, len(seq)))
-            rows = (RowGroup(torch.arange(len(seq) - start), adapter.layers),)
+            rows = (RowGroup(torch.arange(len(seq) - start), adapter.layers, adapter.stack),)
             hidden = model.forward(torch.tensor(seq[start:]), ForwardContext(attention, plan), lora=rows)
             seq.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
     assert seq[8:] == ids[0, 8:].tolist()

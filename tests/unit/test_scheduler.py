@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from lmrpc.server.config import SchedulerConfig
 from lmrpc.server.engine.kv_cache import KVCacheManager
@@ -293,3 +294,48 @@ def test_a_paused_sequence_gives_its_pages_to_a_live_one_first() -> None:
     while s.has_work:
         fake_step(s)
     assert stalled.finished and s.kv.num_used_pages == 0
+
+
+@dataclass(frozen=True)
+class FakeAdapter:
+    """What the scheduler reads of a LoRA adapter (protocol.AdapterRef)."""
+
+    name: str
+    uid: int
+
+
+def adapter_seq(prompt: list[int], adapter: FakeAdapter | None, max_new: int = 3) -> Sequence:
+    req = EngineRequest("r", "r", 0, tuple(prompt), SamplingParams(max_new_tokens=max_new), adapter=adapter)
+    return Sequence(req)
+
+
+def test_a_steady_stream_for_a_running_adapter_does_not_starve_another() -> None:
+    """--max-loras-per-batch 1: while adapter A's requests keep coming (a new one every step, each stream keeping two
+    running), a request for adapter B waits only for the A requests that came before it, then runs; the base
+    model's requests are admitted all along."""
+    a, b = FakeAdapter("a", 1), FakeAdapter("b", 2)
+    s = Scheduler(SchedulerConfig(max_running_requests=8, max_batched_tokens=64, max_prefill_chunk=64),
+                  KVCacheManager(256, 4), max_adapters=1)
+    before = [adapter_seq([1, 2, 3], a), adapter_seq([4, 5, 6], a)]
+    for q in before:
+        s.add(q)
+    fake_step(s)
+    late_b = adapter_seq([7, 8, 9], b)
+    s.add(late_b)
+    after: list[Sequence] = []
+    base: list[Sequence] = []
+    for step in range(40):
+        if late_b.status is SeqStatus.FINISHED:
+            break
+        after.append(adapter_seq([10 + step, 11, 12], a))  # the stream goes on
+        s.add(after[-1])
+        base.append(adapter_seq([50 + step, 51], None))
+        s.add(base[-1])
+        batch = fake_step(s)
+        assert len({c.seq.adapter_uid for c in batch.chunks if c.seq.adapter_uid is not None}) <= 1
+    assert late_b.status is SeqStatus.FINISHED and late_b.num_output_tokens == 3
+    assert all(q.status is SeqStatus.FINISHED for q in before)
+    assert all(q.num_computed_tokens == 0 for q in after)  # none of the later A requests overtook B
+    assert sum(q.status is SeqStatus.FINISHED for q in base) >= len(base) - 2  # base requests never waited on B
+    run_all(s)
+    assert all(q.status is SeqStatus.FINISHED for q in after)

@@ -154,14 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     abort.add_argument("--all", action="store_true", help="abort every request")
     abort.set_defaults(command=cmd_abort)
 
-    lora = sub.add_parser("lora", parents=[common], help="LoRA adapters: list, load or unload")
+    # The connection flags go on each lora command (`lmrpc lora list --target H:P`, as on every other command), not
+    # on `lora` itself: argparse would let the command's defaults overwrite what was given before it.
+    lora = sub.add_parser("lora", help="LoRA adapters: list, load or unload")
     lora_sub = lora.add_subparsers(dest="lora_command", required=True)
-    lora_list = lora_sub.add_parser("list", help="the loaded adapters")
+    lora_list = lora_sub.add_parser("list", parents=[common], help="the loaded adapters")
     lora_list.add_argument("--json", action="store_true", help="print JSON")
-    lora_load = lora_sub.add_parser("load", help="load an adapter directory (server flag --enable-lora-admin)")
+    lora_load = lora_sub.add_parser("load", parents=[common],
+                                    help="load an adapter directory (server flag --enable-lora-admin)")
     lora_load.add_argument("name", help="the name requests will give")
     lora_load.add_argument("path", help="the adapter's directory, under the server's --lora-root")
-    lora_unload = lora_sub.add_parser("unload", help="unload an adapter (server flag --enable-lora-admin)")
+    lora_unload = lora_sub.add_parser("unload", parents=[common],
+                                      help="unload an adapter (server flag --enable-lora-admin)")
     lora_unload.add_argument("name", help="the loaded adapter's name")
     lora.set_defaults(command=cmd_lora)
 

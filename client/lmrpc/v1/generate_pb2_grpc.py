@@ -138,7 +138,9 @@ class GenerateServiceServicer:
         requests then give in lora_path (or as "base:name" in the model of OpenAIService calls). Needs the server flag
         --enable-lora-admin (else PERMISSION_DENIED). ALREADY_EXISTS for a name already loaded; PERMISSION_DENIED for a
         path outside the root; NOT_FOUND when no adapter is there; INVALID_ARGUMENT for an adapter the model or the
-        server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks).
+        server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks);
+        RESOURCE_EXHAUSTED when --max-loaded-loras adapters are loaded and none may be evicted (each in use by a call,
+        or loaded at start).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

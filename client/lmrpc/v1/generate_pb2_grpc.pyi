@@ -62,7 +62,9 @@ class GenerateServiceStub:
     requests then give in lora_path (or as "base:name" in the model of OpenAIService calls). Needs the server flag
     --enable-lora-admin (else PERMISSION_DENIED). ALREADY_EXISTS for a name already loaded; PERMISSION_DENIED for a
     path outside the root; NOT_FOUND when no adapter is there; INVALID_ARGUMENT for an adapter the model or the
-    server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks).
+    server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks);
+    RESOURCE_EXHAUSTED when --max-loaded-loras adapters are loaded and none may be evicted (each in use by a call,
+    or loaded at start).
     """
     UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_generate_pb2.UnloadLoraAdapterRequest, _generate_pb2.UnloadLoraAdapterResponse]
     """UnloadLoraAdapter takes a loaded adapter away from new requests; requests in flight with it finish first.
@@ -101,7 +103,9 @@ class GenerateServiceAsyncStub(GenerateServiceStub):
     requests then give in lora_path (or as "base:name" in the model of OpenAIService calls). Needs the server flag
     --enable-lora-admin (else PERMISSION_DENIED). ALREADY_EXISTS for a name already loaded; PERMISSION_DENIED for a
     path outside the root; NOT_FOUND when no adapter is there; INVALID_ARGUMENT for an adapter the model or the
-    server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks).
+    server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks);
+    RESOURCE_EXHAUSTED when --max-loaded-loras adapters are loaded and none may be evicted (each in use by a call,
+    or loaded at start).
     """
     UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_generate_pb2.UnloadLoraAdapterRequest, _generate_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
     """UnloadLoraAdapter takes a loaded adapter away from new requests; requests in flight with it finish first.
@@ -179,7 +183,9 @@ class GenerateServiceServicer(metaclass=_abc_1.ABCMeta):
         requests then give in lora_path (or as "base:name" in the model of OpenAIService calls). Needs the server flag
         --enable-lora-admin (else PERMISSION_DENIED). ALREADY_EXISTS for a name already loaded; PERMISSION_DENIED for a
         path outside the root; NOT_FOUND when no adapter is there; INVALID_ARGUMENT for an adapter the model or the
-        server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks).
+        server's limits do not fit (its rank above --max-lora-rank, a target module the model lacks);
+        RESOURCE_EXHAUSTED when --max-loaded-loras adapters are loaded and none may be evicted (each in use by a call,
+        or loaded at start).
         """
 
     @_abc_1.abstractmethod

@@ -91,12 +91,15 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters", "PEFT adapters of the served model, mixed in one batch")
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                    help="adapters loaded at start (a directory with adapter_config.json and "
-                        "adapter_model.safetensors), named for requests' lora_path or model \"base:NAME\"")
+                        "adapter_model.safetensors), named for requests' lora_path or model \"base:NAME\"; pinned: "
+                        "never evicted (they count towards --max-loaded-loras)")
     g.add_argument("--max-lora-rank", type=int, default=64, metavar="R", help="largest adapter rank accepted (64)")
     g.add_argument("--max-loras-per-batch", type=int, default=8, metavar="N",
-                   help="distinct adapters running at once; outputs of others wait (8)")
+                   help="distinct adapters running at once; outputs of others wait, in arrival order (8)")
     g.add_argument("--max-loaded-loras", type=int, default=16, metavar="N",
-                   help="adapters held in memory; the least recently used one not in use is evicted (16)")
+                   help="adapters held in memory, never more; loading another evicts the least recently used one "
+                        "not in use and not pinned. When none may be evicted, a request naming a new adapter waits "
+                        "for a call to end; LoadLoraAdapter fails RESOURCE_EXHAUSTED (16)")
     g.add_argument("--lora-root", metavar="DIR",
                    help="requests and LoadLoraAdapter may load adapters by path from under DIR only (default: no "
                         "loading by path)")

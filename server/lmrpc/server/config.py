@@ -71,10 +71,10 @@ class SchedulerConfig:
 class LoraConfig:
     """LoRA adapters (server/lmrpc/server/lora/). Field names are the flags' (--lora-modules, ...)."""
 
-    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, directory) of adapters loaded at start
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, directory) of adapters loaded at start, pinned
     max_lora_rank: int = 64  # largest adapter rank accepted; range [1, 1024]
     max_loras_per_batch: int = 8  # distinct adapters among the running outputs (one step's rows); range >= 1
-    max_loaded_loras: int = 16  # adapters held; the least recently used one not in use is evicted; range >= 1
+    max_loaded_loras: int = 16  # adapters held, never more (lora/registry.py: eviction, pins, waits); range >= 1
     lora_root: str | None = None  # directory requests and LoadLoraAdapter may load adapters from; None: no loading
     #   by path
     enable_lora_admin: bool = False  # LoadLoraAdapter and UnloadLoraAdapter are served (ListLoraAdapters always is)

@@ -1,7 +1,8 @@
 """User-error rules and their one mapping to gRPC statuses. Rules collect typed violations; `to_status` maps them to a
 status with google.rpc.BadRequest field violations (INVALID_ARGUMENT; UNIMPLEMENTED for features not built yet;
 NOT_FOUND for an unknown model or LoRA adapter; PERMISSION_DENIED for an adapter path outside --lora-root;
-ALREADY_EXISTS for an adapter name taken) or a google.rpc.PreconditionFailure (FAILED_PRECONDITION).
+ALREADY_EXISTS for an adapter name taken; RESOURCE_EXHAUSTED for LoadLoraAdapter while no adapter may be evicted)
+or a google.rpc.PreconditionFailure (FAILED_PRECONDITION).
 
 The rules of GenerateService's requests and the sampling parameters every RPC shares live here; the rules of the
 OpenAI-shaped requests, which map onto these, live in openai/validation.py."""
@@ -38,6 +39,7 @@ _ADAPTER_CODES = {
     AdapterErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     AdapterErrorKind.UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
     AdapterErrorKind.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    AdapterErrorKind.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 OPENAI_DEFAULTS: dict[str, float] = {
     "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -324,13 +326,19 @@ def adapter_error(exc: AdapterError, field: str) -> RequestError:
 
 async def resolve_adapter(registry: LoraRegistry, ref: str, field: str) -> LoadedAdapter | None:
     """The LoRA adapter `ref` names ("": None, the base model), loaded from under --lora-root if need be (in a
-    worker thread: it reads files); an unusable one is a RequestError on `field`."""
+    worker thread: it reads files); an unusable one is a RequestError on `field`. While --max-loaded-loras adapters
+    are loaded and none may be evicted, a request needing another waits (on the event loop, no thread held) until a
+    call ends or an adapter is unloaded; its deadline or a cancel ends the wait. When every one is pinned
+    (--lora-modules) nothing would free: RESOURCE_EXHAUSTED at once."""
     if not ref:
         return None
-    try:
-        return await asyncio.to_thread(registry.resolve, ref)
-    except AdapterError as exc:
-        raise adapter_error(exc, field) from exc
+    while True:
+        try:
+            return await asyncio.to_thread(registry.resolve, ref)
+        except AdapterError as exc:
+            if exc.kind is not AdapterErrorKind.EXHAUSTED or not registry.room_may_free():
+                raise adapter_error(exc, field) from exc  # (every slot pinned by --lora-modules: none will free)
+        await registry.wait_for_room()
 
 
 def lora_ref(refs: Sequence[str], index: int) -> str:

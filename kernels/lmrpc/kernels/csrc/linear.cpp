@@ -23,7 +23,7 @@ inline float silu_mul(float g, float u) { return g / (1.0f + exp_scalar(-g)) * u
 
 // One input row after its prologue, float32, into `out` [k] (the caller pads).
 void prologue_row(const LinearArgs& a, int64_t i, int64_t k, float* out) {
-  const float* x = a.x + i * a.x_stride;
+  const float* x = a.x + (a.x_rows != nullptr ? a.x_rows[i] : i) * a.x_stride;
   switch (a.prologue) {
     case Prologue::NONE:
       std::memcpy(out, x, k * sizeof(float));
@@ -63,9 +63,9 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
   if (compute == Compute::BF16) in->bf16.resize(a.m * kp, true); else in->f32.resize(a.m * kp, true);
   if (w.offset != nullptr) in->sums.resize(a.m * groups, true);
   const int64_t parts = a.m >= 8 ? omp_get_max_threads() : 1;
-#pragma omp parallel num_threads(parts)
+#pragma omp parallel num_threads(parts) if (parts > 1)
   {
-    AlignedBuffer<float> buffer;
+    thread_local AlignedBuffer<float> buffer;  // one row after its prologue; kept between calls (no malloc each)
     buffer.resize(kp);
     float* row = buffer.data();
 #pragma omp for schedule(static)
@@ -669,7 +669,7 @@ void epilogue(const PackedWeight& w, const LinearArgs& a, int64_t row0, int rows
   const int64_t n0 = 32 * p, width = std::min<int64_t>(32 * pairs, w.n - n0);
   const float* bias = w.bias != nullptr ? w.bias + n0 : nullptr;
   for (int r = 0; r < rows; ++r) {
-    const int64_t i = row0 + r;
+    const int64_t i = a.y_rows != nullptr ? a.y_rows[row0 + r] : row0 + r;
     float* y = a.y + i * a.y_stride + n0;
     const float* v = Y[r];
     if (a.residual == nullptr) {
@@ -791,26 +791,43 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
   }
 }
 
-// T: uint16_t (bf16 products) or float (float32 products).
+constexpr int64_t kSerialWork = int64_t{1} << 18;  // multiply-adds (rows x padded outputs x padded inputs)
+
+// The blocks of kMaxPairs tile pairs of every job, handed out a few at a time: a vCPU slowed by its host does less of
+// the work. Which thread computes a block never changes its bits. T: uint16_t (bf16 products) or float (float32).
 template <typename T>
-void products(const PackedWeight& w, const Inputs& in, const LinearArgs& a) {
-  const int64_t pairs = w.n_pad / 32;
-  const Q4Table table(w.q4_signed);
-  const int threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), pairs));
-  // Blocks of kMaxPairs pairs handed out a few at a time: a vCPU slowed by its host does less of the work. Which
-  // thread computes a block never changes its bits.
-  const int64_t blocks = (pairs + kMaxPairs - 1) / kMaxPairs;
+void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
+  thread_local std::vector<int64_t> starts;  // kept between calls (the calling thread's; the team reads `first`)
+  starts.assign(count + 1, 0);
+  int64_t* first = starts.data();  // job j's blocks are [first[j], first[j + 1])
+  int64_t pairs = 0, work = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const PackedWeight& w = *jobs[j].w;
+    const int64_t job_pairs = w.n_pad / 32;
+    pairs += job_pairs;
+    work += jobs[j].args.m * w.n_pad * w.k_pad;
+    first[j + 1] = first[j] + (job_pairs + kMaxPairs - 1) / kMaxPairs;
+  }
+  static const Q4Table tables[2] = {Q4Table(false), Q4Table(true)};
+  // Work smaller than a thread hand-off costs (a decode step's LoRA products: a few rows of rank-16 matrices) stays
+  // on the calling thread. Which thread computes a block never changes its bits.
+  const int threads =
+      work < kSerialWork ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), pairs)));
+  const int64_t blocks = first[count];
   const int64_t grab = std::max<int64_t>(1, blocks / (8 * threads));
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    AlignedBuffer<T> buffer;
+    thread_local AlignedBuffer<T> buffer;  // expanded weights, each thread's own; kept between calls
 #pragma omp for schedule(dynamic, grab)
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t p = b * kMaxPairs;
-      if (p + kMaxPairs <= pairs) {
-        pair_products<T, kMaxPairs>(w, in, a, p, table, buffer);
+      const int64_t j = std::upper_bound(first, first + count + 1, b) - first - 1;
+      const PackedWeight& w = *jobs[j].w;
+      const Q4Table& table = tables[w.q4_signed ? 1 : 0];
+      const int64_t job_pairs = w.n_pad / 32, p = (b - first[j]) * kMaxPairs;
+      if (p + kMaxPairs <= job_pairs) {
+        pair_products<T, kMaxPairs>(w, in[j], jobs[j].args, p, table, buffer);
       } else {
-        for (int64_t q = p; q < pairs; ++q) pair_products<T, 1>(w, in, a, q, table, buffer);
+        for (int64_t q = p; q < job_pairs; ++q) pair_products<T, 1>(w, in[j], jobs[j].args, q, table, buffer);
       }
     }
   }
@@ -819,10 +836,23 @@ void products(const PackedWeight& w, const Inputs& in, const LinearArgs& a) {
 }  // namespace
 
 void linear(const PackedWeight& w, Compute compute, const LinearArgs& args) {
-  if (args.m == 0) return;
-  Inputs in;
-  prepare_inputs(w, compute, args, &in);
-  if (compute == Compute::BF16) products<uint16_t>(w, in, args); else products<float>(w, in, args);
+  const LinearJob job{&w, args};
+  linear_batch(&job, 1, compute);
+}
+
+void linear_batch(const LinearJob* jobs, int64_t count, Compute compute) {
+  // Kept between calls, per thread: a step makes hundreds of these calls, each would otherwise allocate them.
+  thread_local std::vector<LinearJob> work;  // the jobs with rows
+  thread_local std::vector<Inputs> in;
+  work.clear();
+  for (int64_t j = 0; j < count; ++j) {
+    if (jobs[j].args.m > 0) work.push_back(jobs[j]);
+  }
+  if (work.empty()) return;
+  if (in.size() < work.size()) in.resize(work.size());
+  for (size_t j = 0; j < work.size(); ++j) prepare_inputs(*work[j].w, compute, work[j].args, &in[j]);
+  const int64_t n = static_cast<int64_t>(work.size());
+  if (compute == Compute::BF16) products<uint16_t>(work.data(), in.data(), n); else products<float>(work.data(), in.data(), n);
 }
 
 void weight_rows(const PackedWeight& w, const int64_t* ids, int64_t count, float* out, int64_t out_stride) {

@@ -52,11 +52,26 @@ struct LinearArgs {
   int64_t residual_stride;
   float* y;                // [m, y_stride] float32 output (y may alias residual: each element is read, then written)
   int64_t y_stride;
+  // Row i of the product reads x row x_rows[i] (else i) and residual and y rows y_rows[i] (else i): a LoRA delta
+  // runs over its adapter's rows of a step where they lie, with no gathered copies (the same operations per row).
+  const int64_t* x_rows;
+  const int64_t* y_rows;
 };
 
 // y[i, :n] = prologue(x[i]) W^T (+ bias) (+ residual[i]) for every row i. Each element is computed with the same
 // operations whatever m is and however rows or tiles are split between threads.
 void linear(const PackedWeight& w, Compute compute, const LinearArgs& args);
+
+// One product of a batch run by linear_batch.
+struct LinearJob {
+  const PackedWeight* w;
+  LinearArgs args;
+};
+
+// linear() of every job (one compute type), their output tiles shared between the threads of one parallel region:
+// a step's small LoRA products and the base product beside them cost one thread fork, not one each. Each job's
+// outputs are computed exactly as linear() computes them. Jobs must not write what another job reads.
+void linear_batch(const LinearJob* jobs, int64_t count, Compute compute);
 
 // rows [count, n ... ] of the dequantized weight W[ids[i], :k] as float32 (embedding lookups from a tied weight).
 void weight_rows(const PackedWeight& w, const int64_t* ids, int64_t count, float* out, int64_t out_stride);

@@ -35,13 +35,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"),
            py::arg("post_attention_norm"), py::arg("q_norm"), py::arg("k_norm"));
+  py::class_<StackAdapter, std::shared_ptr<StackAdapter>>(m, "StackAdapter")
+      .def(py::init<const std::vector<std::vector<std::optional<StackAdapter::Delta>>>&>(), py::arg("layers"));
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<std::vector<StackLayer>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, double,
                     double>(),
            py::arg("layers"), py::arg("keys"), py::arg("values"), py::arg("cos"), py::arg("sin"), py::arg("heads"),
            py::arg("eps"), py::arg("qk_eps"), py::arg("scale"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("slots"),
-           py::arg("block_table"), py::arg("token_seq"), py::arg("token_ctx"), py::call_guard<py::gil_scoped_release>());
+           py::arg("block_table"), py::arg("token_seq"), py::arg("token_ctx"),
+           py::arg("lora") = std::vector<StackGroup>{}, py::call_guard<py::gil_scoped_release>());
   m.def("rope_store", &rope_store, py::arg("qkv"), py::arg("heads"), py::arg("positions"), py::arg("cos"),
         py::arg("sin"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("slots"), py::arg("keys"),
         py::arg("values"), py::arg("q_out"), py::call_guard<py::gil_scoped_release>());

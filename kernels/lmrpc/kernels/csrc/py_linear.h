@@ -78,15 +78,29 @@ class PackedLinear {
   // forward into y [m, n] (which may be the residual itself: each element is read before it is written).
   void run(const at::Tensor& x, const at::Tensor* norm_weight, double eps, bool silu, const at::Tensor* residual,
            const at::Tensor& y) const {
+    TORCH_CHECK(y.size(0) == x.size(0) && (residual == nullptr || residual->size(0) == x.size(0)),
+                "out and residual: as many rows as x");
+    const lmrpc::LinearArgs a = args(x, x.size(0), norm_weight, eps, silu, residual, y);
+    lmrpc::linear(w_, compute_, a);
+  }
+
+  // The checked arguments of m rows: x [>= m, k] ([>= m, 2k] with silu), y and residual [>= m, n]. Row i reads
+  // x row x_rows[i] and residual and y rows y_rows[i] when given (int64 indices the caller checked against the
+  // tensors' rows); else row i of each.
+  lmrpc::LinearArgs args(const at::Tensor& x, int64_t m, const at::Tensor* norm_weight, double eps, bool silu,
+                         const at::Tensor* residual, const at::Tensor& y, const int64_t* x_rows = nullptr,
+                         const int64_t* y_rows = nullptr) const {
     check_f32_rows(x, silu ? 2 * w_.k : w_.k, "x");
     TORCH_CHECK(!(silu && norm_weight != nullptr), "one prologue at a time");
-    const int64_t m = x.size(0);
+    TORCH_CHECK(x_rows != nullptr || x.size(0) >= m, "x rows");
     check_f32_rows(y, w_.n, "out");
-    TORCH_CHECK(y.size(0) == m, "out rows");
+    TORCH_CHECK(y_rows != nullptr || y.size(0) >= m, "out rows");
     lmrpc::LinearArgs a{};
     a.x = x.data_ptr<float>();
     a.m = m;
     a.x_stride = x.stride(0);
+    a.x_rows = x_rows;
+    a.y_rows = y_rows;
     a.prologue = silu ? lmrpc::Prologue::SILU_MUL
                       : (norm_weight != nullptr ? lmrpc::Prologue::RMS_NORM : lmrpc::Prologue::NONE);
     if (norm_weight != nullptr) {
@@ -97,14 +111,17 @@ class PackedLinear {
     a.eps = static_cast<float>(eps);
     if (residual != nullptr) {
       check_f32_rows(*residual, w_.n, "residual");
-      TORCH_CHECK(residual->size(0) == m, "residual rows");
+      TORCH_CHECK(y_rows != nullptr || residual->size(0) >= m, "residual rows");
       a.residual = residual->data_ptr<float>();
       a.residual_stride = residual->stride(0);
     }
     a.y = y.data_ptr<float>();
     a.y_stride = y.stride(0);
-    lmrpc::linear(w_, compute_, a);
+    return a;
   }
+
+  const lmrpc::PackedWeight& weight() const { return w_; }
+  lmrpc::Compute compute() const { return compute_; }
 
   // Rows of the dequantized weight (embedding lookups of a tied weight): ids [t] -> [t, k] float32.
   at::Tensor rows(const at::Tensor& ids) const {

@@ -72,10 +72,10 @@ class Engine:
         self.executor = ModelExecutor(loaded, config)
         kv = KVCacheManager(self.executor.num_pages, self.executor.page_size, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, kv, config.lora.max_loras_per_batch)
-        # LoRA adapters: --lora-modules loaded here, on the engine thread, before serving
+        # LoRA adapters: --lora-modules loaded here, on the engine thread, before serving; pinned (never evicted)
         self.lora = LoraRegistry(config.lora, self.executor.model)
         for name, path in config.lora.lora_modules:
-            self.lora.load(name, path, confined=False)
+            self.lora.load(name, path, confined=False, pinned=True)
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.executor.device)
         self.processors = processors
         self.grammar = grammar

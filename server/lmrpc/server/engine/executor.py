@@ -216,8 +216,8 @@ def _adapter_groups(batch: ScheduledBatch, device: torch.device) -> tuple[RowGro
             adapters[adapter.uid] = adapter
             rows.setdefault(adapter.uid, []).extend(range(row, row + c.num_tokens))
         row += c.num_tokens
-    return tuple(RowGroup(torch.tensor(r, dtype=torch.int64, device=device), adapters[uid].layers)
-                 for uid, r in rows.items())
+    return tuple(RowGroup(torch.tensor(r, dtype=torch.int64, device=device), adapters[uid].layers,
+                          adapters[uid].stack) for uid, r in rows.items())
 
 
 def _routed_rows(batch: ScheduledBatch, experts: torch.Tensor) -> tuple[RoutedRows, ...]:

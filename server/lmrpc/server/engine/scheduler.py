@@ -159,14 +159,21 @@ class Scheduler:
 
     def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
         adapters = {s.adapter_uid for s in self.running if s.adapter_uid is not None}
+        # Once a sequence waits for an adapter slot, no later one under an adapter is admitted (base-model ones
+        # still are): else a steady stream of requests for the running adapters would keep the slots taken and
+        # starve it. The running adapters' sequences end, a slot frees, and it goes in, in (priority, arrival) order.
+        slot_awaited = False
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 return
             if self._blocked_on_sibling(seq) or seq.paused:
                 continue  # n > 1: wait for sample 0's prompt pages instead of computing them again
             uid = seq.adapter_uid
+            if uid is not None and slot_awaited:
+                continue
             if uid is not None and uid not in adapters and len(adapters) >= self.max_adapters:
-                continue  # a step runs at most max_adapters adapters: this one waits for a running one to end
+                slot_awaited = True  # a step runs at most max_adapters adapters: this one waits for a running one
+                continue
             self.kv.match_prefix(seq)
             n = self._chunk_size(seq, budget)
             if n == 0:

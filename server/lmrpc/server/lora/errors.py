@@ -13,6 +13,7 @@ class AdapterErrorKind(enum.Enum):
     INVALID = "invalid"  # the adapter does not fit the model or the server's limits
     UNAVAILABLE = "unavailable"  # the server serves no adapters (flags, or a model without adapter support)
     EXISTS = "exists"  # a load under a name already loaded
+    EXHAUSTED = "exhausted"  # --max-loaded-loras adapters are loaded and none may be evicted (in use, or pinned)
 
 
 class AdapterError(Exception):

@@ -1,24 +1,30 @@
 """An adapter as low-rank products on the model's fused projections, and their application to one step's rows.
 
 The model computes q, k and v in one fused product, and gate and up in another. An adapter's delta on the fused
-output is `B_fused (A_fused x) * scale`: A_fused stacks the targeted modules' A matrices ([sum of ranks, in]) and
-B_fused places each module's B (scale folded in) at that module's output rows and rank columns, zero elsewhere. The
+output is one A product, A_fused stacking the targeted modules' A matrices ([sum of ranks, in]), then one B product
+per targeted module (scale folded in): its rank columns of A's output -> its slice of the fused output (not one
+B_fused with zero blocks: those would be read and multiplied for nothing, a third of the work on qkv). The
 products run on the same kernels as the base layers (dense, the model's dtype), with the base layer's prologue (its
-RMSNorm, or SiLU-and-multiply) fused into the A product and the base output added as the B product's residual, so:
+RMSNorm, or SiLU-and-multiply) fused into the A product and the base output added as the B products' residual, so:
 
 - each row's delta is computed alone (the kernels are row-invariant): a request's bits do not depend on which
   other rows, or adapters, share the step;
-- rows are grouped by adapter: one A and one B product per adapter, fused projection and layer, never a loop over
-  tokens.
+- rows are grouped by adapter: one A product and a B product per targeted module per adapter, fused projection
+  and layer, never a loop over tokens.
+
+`add_delta` is the Python loop's way (models/llama.py's DecoderLayer). The native decoder stack does the same with
+the same kernels in the same order, reading and writing the group's rows where they lie (`native_adapter` gives it
+an adapter's products), so a step gives the same bits on either path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from lmrpc.kernels import packing
+from lmrpc.kernels import native, packing
 from lmrpc.server.lora.adapter import AdapterFile
 from lmrpc.server.models.linear import DenseLinear, LinearLayer
 from lmrpc.server.models.quantized import LinearBuilder, NativeLinear
@@ -33,11 +39,21 @@ FUSED: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
+class ModuleB:
+    """One targeted module's B product within a fused projection's delta."""
+
+    b: LinearLayer  # [rank] -> [the module's out] (scale folded in)
+    rank_start: int  # its rank columns of the A product's output start here
+    out_start: int  # its output columns of the fused projection start here
+
+
+@dataclass(frozen=True)
 class LowRank:
-    """The delta of one fused projection: x -> b(a(x))."""
+    """The delta of one fused projection: x -> h = a(x), then each module's b over its columns of h, added to its
+    slice of the output."""
 
     a: LinearLayer  # [in] -> [sum of ranks]
-    b: LinearLayer  # [sum of ranks] -> [out] (scale folded in)
+    parts: tuple[ModuleB, ...]  # in output order
 
 
 @dataclass(frozen=True)
@@ -78,13 +94,32 @@ def _fused(adapter: AdapterFile, builder: LinearBuilder, layer: int, modules: tu
     out_sizes = [features[m][1] for m in modules]
     rank = adapter.rank
     a = torch.zeros(rank * len(present), in_features)  # [ranks, in]
-    b = torch.zeros(sum(out_sizes), rank * len(present))  # [out, ranks]: block per targeted module
+    parts = []
     for slot, module in enumerate(present):
         pair = adapter.modules[(layer, module)]
-        row = sum(out_sizes[: modules.index(module)])
         a[slot * rank : (slot + 1) * rank] = pair.a
-        b[row : row + pair.b.shape[0], slot * rank : (slot + 1) * rank] = pair.b * adapter.scale
-    return LowRank(dense_layer(builder, a), dense_layer(builder, b))
+        out_start = sum(out_sizes[: modules.index(module)])
+        parts.append(ModuleB(dense_layer(builder, pair.b * adapter.scale), slot * rank, out_start))  # [out, rank]
+    return LowRank(dense_layer(builder, a), tuple(parts))
+
+
+def native_adapter(layers: tuple[LayerLora, ...]) -> object | None:
+    """The native decoder stack's form of an adapter (a StackAdapter holding the same kernel objects), or None when
+    its products are not all native (then steps with it run the Python loop)."""
+    per_layer: list[list[tuple[object, list[tuple[object, int, int]]] | None]] = []
+    for layer in layers:
+        products: list[tuple[object, list[tuple[object, int, int]]] | None] = []  # (a, [(b, rank_start, out_start)])
+        for name in FUSED:
+            low: LowRank | None = getattr(layer, name)
+            if low is None:
+                products.append(None)
+                continue
+            if not isinstance(low.a, NativeLinear) or not all(isinstance(p.b, NativeLinear) for p in low.parts):
+                return None
+            products.append((low.a.op, [(cast(NativeLinear, p.b).op, p.rank_start, p.out_start)
+                                        for p in low.parts]))
+        per_layer.append(products)
+    return native.load().StackAdapter(per_layer)
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,7 @@ class RowGroup:
 
     rows: torch.Tensor  # [n] int64 indices into the step's flat token rows, ascending
     layers: tuple[LayerLora, ...]  # the adapter's per-layer deltas
+    stack: object | None = None  # native_adapter(layers), when the native decoder stack may run them
 
 
 def add_delta(out: torch.Tensor, x: torch.Tensor, groups: tuple[RowGroup, ...], layer: int, projection: str,
@@ -104,5 +140,10 @@ def add_delta(out: torch.Tensor, x: torch.Tensor, groups: tuple[RowGroup, ...], 
         if low is None:
             continue
         h = low.a(x.index_select(0, group.rows), norm=norm, eps=eps, silu=silu)  # [n, ranks]
-        out.index_copy_(0, group.rows, low.b(h, residual=out.index_select(0, group.rows)))  # [n, out]
+        rows = out.index_select(0, group.rows)  # [n, out]
+        for part in low.parts:
+            width, rank = part.b.out_features, part.b.in_features
+            columns = rows[:, part.out_start : part.out_start + width]  # [n, width], a view
+            columns.copy_(part.b(h[:, part.rank_start : part.rank_start + rank], residual=columns))
+        out.index_copy_(0, group.rows, rows)
     return out

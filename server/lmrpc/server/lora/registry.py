@@ -1,7 +1,9 @@
 """The loaded adapters: by name, least recently used first; loading by path only from under `--lora-root`; at most
-`--max-loaded-loras` held, evicting the least recently used one that no call is using (an adapter in use is never
-evicted: while every loaded one is in use, a new one is loaded beyond the limit and the excess evicted once calls
-end, so no request is refused for it).
+`--max-loaded-loras` held, ever. Loading one more evicts the least recently used adapter that no call is using and
+that was not loaded at start (`--lora-modules` adapters are pinned: requests may name them whatever else is loaded,
+and one outside `--lora-root` could not be loaded again by a request). When none may be evicted the load fails
+RESOURCE_EXHAUSTED (`LoadLoraAdapter`), or a request waits until a call ends (`wait_for_room`, used by
+validation.resolve_adapter).
 
 Thread-safety: resolve/load/unload/pin run on the event loop or in worker threads (loading reads files and packs
 weights); the engine thread only reads the `LoadedAdapter` objects that requests carry. A request keeps its
@@ -11,19 +13,20 @@ finish with it.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmrpc.server.config import LoraConfig
 from lmrpc.server.lora.adapter import ModelDims, read_adapter
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
-from lmrpc.server.lora.products import LayerLora, build_layers
+from lmrpc.server.lora.products import LayerLora, build_layers, native_adapter
 from lmrpc.server.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class LoadedAdapter:
     scale: float  # alpha / r (alpha / sqrt(r) with rsLoRA)
     target_modules: tuple[str, ...]  # PEFT module names it adapts
     layers: tuple[LayerLora, ...]  # per decoder layer, the deltas on the fused products
+    stack: object | None  # the same products for the native decoder stack (products.native_adapter), or None
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,8 @@ class LoraRegistry:
         self._lock = threading.Lock()
         self._loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
         self._pins: dict[int, int] = {}  # uid -> calls using it
+        self._pinned: set[int] = set()  # uids loaded at start (--lora-modules): never evicted
+        self._room_waiters: list[Callable[[], None]] = []  # wake-ups of requests waiting for an evictable slot
         self._uids = itertools.count(1)
         self._load_lock = threading.Lock()  # one load at a time: two calls naming one new path read it once
 
@@ -101,9 +107,12 @@ class LoraRegistry:
         loaded = ", ".join(repr(n) for n in self.names()) or "none"
         return AdapterError(AdapterErrorKind.NOT_FOUND, f"LoRA adapter {ref!r} is not loaded (loaded: {loaded})")
 
-    def load(self, name: str, path: str, *, confined: bool, reuse: bool = False) -> LoadedAdapter:
+    def load(self, name: str, path: str, *, confined: bool, reuse: bool = False,
+             pinned: bool = False) -> LoadedAdapter:
         """Load the adapter at `path` as `name`. confined (requests, LoadLoraAdapter; not --lora-modules): the path
-        must lie under --lora-root. reuse: a name already loaded is that adapter (else ALREADY_EXISTS). Blocking."""
+        must lie under --lora-root. reuse: a name already loaded is that adapter (else ALREADY_EXISTS). pinned
+        (--lora-modules): never evicted. With --max-loaded-loras loaded and none evictable: EXHAUSTED (before any
+        file is read). Blocking."""
         if not self.enabled:
             raise AdapterError(AdapterErrorKind.UNAVAILABLE,
                                "this model serves no LoRA adapters (only the Llama family's native layers do)")
@@ -113,16 +122,20 @@ class LoraRegistry:
         with self._load_lock:
             with self._lock:
                 existing = self._loaded.get(name)
+                if existing is None:
+                    self._check_room(name)
             if existing is not None:
                 if reuse:
                     return existing
                 raise AdapterError(AdapterErrorKind.EXISTS, f"a LoRA adapter named {name!r} is already loaded")
             adapter = self._read(name, directory)
             with self._lock:
+                self._make_room(name)  # calls may have started using adapters while the files were read
                 self._loaded[name] = adapter
-                self._trim(keep=name)  # the caller is about to use it
-        logger.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, directory, adapter.rank,
-                    ", ".join(adapter.target_modules))
+                if pinned:
+                    self._pinned.add(adapter.uid)
+        logger.info("LoRA adapter %r loaded from %s (rank %d, %s)%s", name, directory, adapter.rank,
+                    ", ".join(adapter.target_modules), " (pinned)" if pinned else "")
         return adapter
 
     def check_path(self, path: str) -> Path:
@@ -148,7 +161,7 @@ class LoraRegistry:
         file = read_adapter(directory, ModelDims(model.shape.layers, features), self.config.max_lora_rank)
         layers = build_layers(file, model.builder, model.shape.layers, features)
         return LoadedAdapter(name, next(self._uids), str(directory), file.rank, file.scale, file.target_modules,
-                             layers)
+                             layers, native_adapter(layers))
 
     # ---- unload, pins, eviction -------------------------------------------------------------------------------
 
@@ -156,9 +169,12 @@ class LoraRegistry:
         """Take the adapter away from new requests; calls running with it finish with it."""
         with self._lock:
             adapter = self._loaded.pop(name, None)
+            if adapter is not None:
+                self._pinned.discard(adapter.uid)
         if adapter is None:
             raise self.not_found(name)
         logger.info("LoRA adapter %r unloaded", name)
+        self._wake_room_waiters()
         return adapter
 
     def pin(self, adapters: Iterable[LoadedAdapter]) -> None:
@@ -175,20 +191,69 @@ class LoraRegistry:
                     self._pins[a.uid] = left
                 else:
                     self._pins.pop(a.uid, None)
-            self._trim()
+        self._wake_room_waiters()
 
-    def _trim(self, keep: str | None = None) -> None:
-        """Evict least recently used adapters nobody uses (nor `keep`) while more than --max-loaded-loras are
-        loaded (locked)."""
-        excess = len(self._loaded) - self.config.max_loaded_loras
-        for name, adapter in list(self._loaded.items()):
-            if excess <= 0:
-                break
-            if self._pins.get(adapter.uid, 0) == 0 and name != keep:
-                del self._loaded[name]
-                excess -= 1
-                logger.info("LoRA adapter %r evicted (least recently used; --max-loaded-loras %d)", name,
-                            self.config.max_loaded_loras)
+    def _evictable(self) -> str | None:
+        """The least recently used loaded adapter no call uses and not pinned (locked), or None."""
+        return next((name for name, a in self._loaded.items()
+                     if self._pins.get(a.uid, 0) == 0 and a.uid not in self._pinned), None)
+
+    def _has_room(self) -> bool:
+        return len(self._loaded) < self.config.max_loaded_loras or self._evictable() is not None
+
+    def _check_room(self, name: str) -> None:
+        """EXHAUSTED unless one more adapter can be held (locked)."""
+        if not self._has_room():
+            in_use = ", ".join(repr(n) for n, a in self._loaded.items() if a.uid not in self._pinned) or "none"
+            pinned = ", ".join(repr(n) for n, a in self._loaded.items() if a.uid in self._pinned) or "none"
+            raise AdapterError(AdapterErrorKind.EXHAUSTED,
+                               f"cannot load LoRA adapter {name!r}: {len(self._loaded)} adapters are loaded "
+                               f"(--max-loaded-loras {self.config.max_loaded_loras}) and none may be evicted (in use "
+                               f"by calls: {in_use}; loaded at start: {pinned}); retry when calls end, or unload one")
+
+    def _make_room(self, name: str) -> None:
+        """Before adding `name`: evict the least recently used evictable adapter if the registry is full (locked)."""
+        self._check_room(name)
+        if len(self._loaded) < self.config.max_loaded_loras:
+            return
+        victim = self._evictable()
+        assert victim is not None  # _check_room
+        del self._loaded[victim]
+        logger.info("LoRA adapter %r evicted (least recently used; --max-loaded-loras %d)", victim,
+                    self.config.max_loaded_loras)
+
+    def room_may_free(self) -> bool:
+        """Some loaded adapter is merely in use (not pinned for good): room frees when its calls end."""
+        with self._lock:
+            return any(a.uid not in self._pinned for a in self._loaded.values())
+
+    async def wait_for_room(self) -> None:
+        """Return once one more adapter could be loaded (a call ended, an adapter was unloaded); at once if it can
+        now. On the event loop; cancelled with its call."""
+        loop = asyncio.get_running_loop()
+        room = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(room.set)
+
+        with self._lock:
+            if self._has_room():  # freed between the failed load and now
+                return
+            self._room_waiters.append(wake)
+        try:
+            await room.wait()
+        finally:
+            with self._lock:
+                if wake in self._room_waiters:
+                    self._room_waiters.remove(wake)
+
+    def _wake_room_waiters(self) -> None:
+        with self._lock:
+            if not self._room_waiters or not self._has_room():
+                return
+            waiters, self._room_waiters = self._room_waiters, []
+        for wake in waiters:
+            wake()
 
     def list(self) -> list[AdapterInfo]:
         with self._lock:

@@ -259,13 +259,15 @@ class LlamaForCausalLM:
         """input_ids [T] -> hidden [T, hidden] float32 (before the final norm, which compute_logits applies).
         input_embeds [T, hidden] float32, when given, are the rows the first layer reads instead of input_ids'.
 
-        lora: the rows running under adapters, grouped by adapter. A step with any runs layer by layer in Python
-        (the same kernels, the deltas added around them); a base-only step keeps the one native call."""
+        lora: the rows running under adapters, grouped by adapter. The native stack adds their deltas when it has
+        every group's adapter in its form (RowGroup.stack); else the step runs layer by layer in Python, with the
+        same kernels in the same order (the same bits)."""
         x = self.embed(input_ids) if input_embeds is None else input_embeds.contiguous()
-        if self._stack is not None and ctx.attention is self._stack.backend and not lora:
+        if (self._stack is not None and ctx.attention is self._stack.backend
+                and all(group.stack is not None for group in lora)):
             plan = ctx.plan
             return self._stack.stack.forward(x, plan.positions, plan.slots, plan.block_table, plan.token_seq,
-                                             plan.token_ctx)
+                                             plan.token_ctx, [(group.rows, group.stack) for group in lora])
         for layer in self.layers:
             x = layer(x, ctx, self.shape.eps, lora)
         return x
