@@ -10,6 +10,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     MixtralConfig,
+    OlmoeConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
     Qwen2MoeConfig,
@@ -19,7 +20,8 @@ from transformers import (
 
 def tiny_moe_config(arch: str, vocab_size: int = 49152) -> PretrainedConfig:
     """A tiny 3-layer mixture-of-experts config of `arch`: 8 experts, top 2 (Qwen2-MoE: a shared expert,
-    unnormalized top-k weights and its last layer dense; Qwen3-MoE: normalized, q/k norms; Mixtral: normalized)."""
+    unnormalized top-k weights and its last layer dense; Qwen3-MoE: normalized, q/k norms; Mixtral: normalized;
+    OLMoE: unnormalized, full-width q/k norms, q/k/v clipped at 1.5, which the normalized q and k often reach)."""
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=4096, num_experts_per_tok=2, tie_word_embeddings=False, bos_token_id=1,
@@ -31,6 +33,8 @@ def tiny_moe_config(arch: str, vocab_size: int = 49152) -> PretrainedConfig:
     if arch == "Qwen3MoeForCausalLM":
         return Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                               norm_topk_prob=True, head_dim=32)
+    if arch == "OlmoeForCausalLM":
+        return OlmoeConfig(**common, intermediate_size=32, num_experts=8, norm_topk_prob=False, clip_qkv=1.5)
     assert arch == "MixtralForCausalLM"
     return MixtralConfig(**common, intermediate_size=32, num_local_experts=8)
 

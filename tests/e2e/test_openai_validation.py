@@ -70,9 +70,12 @@ COMPLETE_CASES: dict[str, tuple[dict[str, Any], grpc.StatusCode, str]] = {
     "lora_path not loaded": ({"prompt": ["a"], "lora_path": "/adapters/a"}, NOT_FOUND, "lora_path"),
     "lora_path and model disagree": ({"prompt": ["a"], "model": f"{SERVED}:x", "lora_path": "y"}, INVALID,
                                      "lora_path"),
-    "return_hidden_states": ({"prompt": ["a"], "return_hidden_states": True}, UNIMPLEMENTED, "return_hidden_states"),
-    "return_routed_experts": ({"prompt": ["a"], "return_routed_experts": True}, UNIMPLEMENTED,
-                              "return_routed_experts"),
+    "hidden_states_mode without return_hidden_states": ({"prompt": ["a"], "hidden_states_mode":
+                                                         "HIDDEN_STATES_MODE_LAST"}, INVALID, "hidden_states_mode"),
+    "return_routed_experts on a dense model": ({"prompt": ["a"], "return_routed_experts": True}, INVALID,
+                                               "return_routed_experts"),
+    "routed_experts_start_len without return_routed_experts": ({"prompt": ["a"], "routed_experts_start_len": 0},
+                                                               INVALID, "routed_experts_start_len"),
 }
 
 CHAT_CASES: dict[str, tuple[dict[str, Any], grpc.StatusCode, str]] = {
@@ -122,6 +125,8 @@ CHAT_CASES: dict[str, tuple[dict[str, Any], grpc.StatusCode, str]] = {
     "seed with min_tokens": ({"messages": HI, "max_tokens": 2, "min_tokens": 3}, INVALID, "min_tokens"),
     "unknown model": ({"messages": HI, "model": "llama"}, NOT_FOUND, "model"),
     "lora_path not loaded": ({"messages": HI, "lora_path": "a"}, NOT_FOUND, "lora_path"),
+    "return_routed_experts on a dense model": ({"messages": HI, "return_routed_experts": True}, INVALID,
+                                               "return_routed_experts"),
 }
 
 

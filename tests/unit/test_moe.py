@@ -1,5 +1,6 @@
 """Our mixture-of-experts models (models/moe.py) against transformers on tiny random checkpoints: Qwen2-MoE (shared
-expert, unnormalized top-k, a dense layer), Qwen3-MoE (normalized, q/k norms) and Mixtral. Logits through the paged
+expert, unnormalized top-k, a dense layer), Qwen3-MoE (normalized, q/k norms), Mixtral and OLMoE (full-width q/k
+norms, clip_qkv). Logits through the paged
 cache in float32 within 1e-4; 32 greedy tokens through the engine equal transformers' generate; 16 concurrent
 requests give bitwise their solo tokens and logprobs (route invariance)."""
 
@@ -21,7 +22,7 @@ from lmrpc.server.models.loader import load_model
 from lmrpc.server.models.moe import MoEForCausalLM, SparseMLP
 from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 
-ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -66,7 +67,7 @@ def greedy(rid: str, prompt: list[int], new: int) -> EngineRequest:
 
 
 @pytest.mark.skipif(not native.available(), reason="route invariance rests on the native kernels")
-@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "MixtralForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"])
 def test_moe_greedy_equals_transformers_and_concurrent_equals_solo(
     arch: str, tmp_path: Path, smollm2_tokenizer: PreTrainedTokenizerBase
 ) -> None:

@@ -50,7 +50,9 @@ class _SamplingFields(TypedDict, total=False):
     min_tokens: int
     lora_path: str
     return_hidden_states: bool
+    hidden_states_mode: str | int  # "HIDDEN_STATES_MODE_LAST" (or its number): the last position only
     return_routed_experts: bool
+    routed_experts_start_len: int
     return_cached_tokens_details: bool
     return_token_ids: bool
     json_whitespace_flexible: bool

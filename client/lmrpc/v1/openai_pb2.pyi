@@ -131,6 +131,8 @@ class CompleteRequest(_message.Message):
     JSON_WHITESPACE_FLEXIBLE_FIELD_NUMBER: _builtins.int
     RID_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    HIDDEN_STATES_MODE_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_START_LEN_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model's name (GetModelInfo.served_model_name); empty: the served model. "base:adapter" runs the
     served model under the loaded LoRA adapter named adapter (NOT_FOUND, listing the loaded ones, when it is not
@@ -198,9 +200,18 @@ class CompleteRequest(_message.Message):
     this and an adapter in model is INVALID_ARGUMENT unless they agree. Errors as GenerateRequest.lora_path.
     """
     return_hidden_states: _builtins.bool
-    """SGLang: return the final hidden states. Not built yet: true is answered UNIMPLEMENTED."""
+    """SGLang: return final-layer hidden states (after the model's final norm, float32) in each choice's
+    hidden_states, as GenerateRequest.return_hidden_states: which positions is hidden_states_mode's choice (every
+    computed position by default; SGLang's OpenAI server returns the last one only, HIDDEN_STATES_MODE_LAST here).
+    Default false. Needs a native model (GenerateService.GetModelInfo's accepts_input_embeds), else
+    INVALID_ARGUMENT.
+    """
     return_routed_experts: _builtins.bool
-    """SGLang: return routed expert ids of MoE models. Not built yet: true is answered UNIMPLEMENTED."""
+    """SGLang: return the experts each position was routed to in each choice's routed_experts, as
+    GenerateRequest.return_routed_experts (every computed position from routed_experts_start_len). Default false.
+    Needs a mixture-of-experts model (a dense model: INVALID_ARGUMENT) and the server flag
+    --enable-return-routed-experts (else FAILED_PRECONDITION).
+    """
     return_cached_tokens_details: _builtins.bool
     """SGLang: also report where cached prompt tokens came from (usage.prompt_tokens_details.cached_tokens_details).
     Default false.
@@ -218,6 +229,17 @@ class CompleteRequest(_message.Message):
     priority: _builtins.int
     """Scheduling priority among waiting outputs, as GenerateRequest.priority: lower first, ties in arrival order.
     Unset: 0.
+    """
+    hidden_states_mode: _generate_pb2.HiddenStatesMode.ValueType
+    """Which hidden states return_hidden_states returns, as GenerateRequest.hidden_states_mode. Unset
+    (HIDDEN_STATES_MODE_UNSPECIFIED) means ALL: each prompt's positions, then each generated token but the last.
+    Setting it without return_hidden_states is INVALID_ARGUMENT.
+    """
+    routed_experts_start_len: _builtins.int
+    """First prompt position whose routed experts are returned with return_routed_experts, as
+    GenerateRequest.routed_experts_start_len: unset 0; range [0, the prompt's length in tokens] for every prompt
+    (with a suffix, the laid-out fill-in-the-middle prompt). Setting it without return_routed_experts is
+    INVALID_ARGUMENT.
     """
     @_builtins.property
     def prompt(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -299,10 +321,12 @@ class CompleteRequest(_message.Message):
         json_whitespace_flexible: _builtins.bool | None = ...,
         rid: _builtins.str = ...,
         priority: _builtins.int | None = ...,
+        hidden_states_mode: _generate_pb2.HiddenStatesMode.ValueType = ...,
+        routed_experts_start_len: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "best_of", b"best_of", "constraint", b"constraint", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "priority", b"priority", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stream_options", b"stream_options", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_routed_experts_start_len", b"_routed_experts_start_len", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "best_of", b"best_of", "constraint", b"constraint", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "priority", b"priority", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "routed_experts_start_len", b"routed_experts_start_len", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stream_options", b"stream_options", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "best_of", b"best_of", "constraint", b"constraint", "ebnf", b"ebnf", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "lora_path", b"lora_path", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "no_stop_trim", b"no_stop_trim", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "return_cached_tokens_details", b"return_cached_tokens_details", "return_hidden_states", b"return_hidden_states", "return_routed_experts", b"return_routed_experts", "return_token_ids", b"return_token_ids", "rid", b"rid", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_routed_experts_start_len", b"_routed_experts_start_len", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "best_of", b"best_of", "constraint", b"constraint", "ebnf", b"ebnf", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "hidden_states_mode", b"hidden_states_mode", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "lora_path", b"lora_path", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "no_stop_trim", b"no_stop_trim", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "return_cached_tokens_details", b"return_cached_tokens_details", "return_hidden_states", b"return_hidden_states", "return_routed_experts", b"return_routed_experts", "return_token_ids", b"return_token_ids", "rid", b"rid", "routed_experts_start_len", b"routed_experts_start_len", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__best_of: _TypeAlias = _typing.Literal["best_of"]  # noqa: Y015
     _WhichOneofArgType__best_of: _TypeAlias = _typing.Literal["_best_of", b"_best_of"]  # noqa: Y015
@@ -326,6 +350,8 @@ class CompleteRequest(_message.Message):
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__routed_experts_start_len: _TypeAlias = _typing.Literal["routed_experts_start_len"]  # noqa: Y015
+    _WhichOneofArgType__routed_experts_start_len: _TypeAlias = _typing.Literal["_routed_experts_start_len", b"_routed_experts_start_len"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
@@ -360,6 +386,8 @@ class CompleteRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_experts_start_len) -> _WhichOneofReturnType__routed_experts_start_len | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
@@ -579,6 +607,8 @@ class CompletionChoice(_message.Message):
     MATCHED_STOP_TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    HIDDEN_STATES_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """The choice's index: prompt * n + i, i = 0 the best with best_of."""
     text: _builtins.str
@@ -601,6 +631,21 @@ class CompletionChoice(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids as tokenized, on a choice's first message, with return_token_ids."""
 
+    @_builtins.property
+    def hidden_states(self) -> _containers.RepeatedCompositeFieldContainer[_generate_pb2.Embedding]:
+        """Final-layer hidden states with return_hidden_states, one GetModelInfoResponse.hidden_size-wide float32 vector
+        per position in position order (hidden_states_mode says which positions; echo does not change them): all of
+        them, or the new ones when streamed (a choice's streamed pieces concatenate to the merged list). Empty
+        otherwise.
+        """
+
+    @_builtins.property
+    def routed_experts(self) -> _generate_pb2.RoutedExperts:
+        """The experts each position was routed to, with return_routed_experts (as GenerateResponse.routed_experts): all
+        the positions, or the new ones when streamed (a choice's streamed pieces concatenate to the merged data).
+        Unset otherwise, and on a streamed chunk with no new positions.
+        """
+
     def __init__(
         self,
         *,
@@ -612,10 +657,12 @@ class CompletionChoice(_message.Message):
         matched_stop_text: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        hidden_states: _abc.Iterable[_generate_pb2.Embedding] | None = ...,
+        routed_experts: _generate_pb2.RoutedExperts | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_text", b"matched_stop_text", "matched_stop_token_id", b"matched_stop_token_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_text", b"matched_stop_text", "matched_stop_token_id", b"matched_stop_token_id", "routed_experts", b"routed_experts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_text", b"matched_stop_text", "matched_stop_token_id", b"matched_stop_token_id", "prompt_token_ids", b"prompt_token_ids", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "hidden_states", b"hidden_states", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_text", b"matched_stop_text", "matched_stop_token_id", b"matched_stop_token_id", "prompt_token_ids", b"prompt_token_ids", "routed_experts", b"routed_experts", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_matched_stop: _TypeAlias = _typing.Literal["matched_stop_token_id", "matched_stop_text"]  # noqa: Y015
     _WhichOneofArgType_matched_stop: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
@@ -829,6 +876,8 @@ class ChatCompleteRequest(_message.Message):
     RID_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    HIDDEN_STATES_MODE_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_START_LEN_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model's name; empty: the served model. "base:adapter": under a loaded LoRA adapter, as in
     CompleteRequest.model; other names are NOT_FOUND.
@@ -888,9 +937,16 @@ class ChatCompleteRequest(_message.Message):
     lora_path: _builtins.str
     """SGLang: the LoRA adapter the conversation runs under, as CompleteRequest.lora_path."""
     return_hidden_states: _builtins.bool
-    """SGLang: return the final hidden states. Not built yet: true is answered UNIMPLEMENTED."""
+    """SGLang: return final-layer hidden states in each choice's hidden_states, as CompleteRequest.return_hidden_states
+    (the rendered conversation's positions, then each generated token but the last, or only the last with
+    hidden_states_mode LAST). Default false.
+    """
     return_routed_experts: _builtins.bool
-    """SGLang: return routed expert ids of MoE models. Not built yet: true is answered UNIMPLEMENTED."""
+    """SGLang: return the experts each position was routed to in each choice's routed_experts, as
+    CompleteRequest.return_routed_experts (the rendered conversation's positions from routed_experts_start_len,
+    then each generated token but the last). Default false. Needs a mixture-of-experts model (else
+    INVALID_ARGUMENT) and --enable-return-routed-experts (else FAILED_PRECONDITION).
+    """
     return_cached_tokens_details: _builtins.bool
     """SGLang: also report where cached prompt tokens came from. Default false."""
     return_token_ids: _builtins.bool
@@ -909,6 +965,15 @@ class ChatCompleteRequest(_message.Message):
     priority: _builtins.int
     """Scheduling priority among waiting outputs, as GenerateRequest.priority: lower first, ties in arrival order.
     Unset: 0.
+    """
+    hidden_states_mode: _generate_pb2.HiddenStatesMode.ValueType
+    """Which hidden states return_hidden_states returns, as CompleteRequest.hidden_states_mode. Unset: ALL. Setting
+    it without return_hidden_states is INVALID_ARGUMENT.
+    """
+    routed_experts_start_len: _builtins.int
+    """First position of the rendered conversation whose routed experts are returned with return_routed_experts, as
+    CompleteRequest.routed_experts_start_len: unset 0; range [0, the rendered prompt's length in tokens]. Setting
+    it without return_routed_experts is INVALID_ARGUMENT.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
@@ -998,10 +1063,12 @@ class ChatCompleteRequest(_message.Message):
         rid: _builtins.str = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
         priority: _builtins.int | None = ...,
+        hidden_states_mode: _generate_pb2.HiddenStatesMode.ValueType = ...,
+        routed_experts_start_len: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs", "constraint", b"constraint", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "priority", b"priority", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_routed_experts_start_len", b"_routed_experts_start_len", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs", "constraint", b"constraint", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "priority", b"priority", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "routed_experts_start_len", b"routed_experts_start_len", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs", "constraint", b"constraint", "continue_final_message", b"continue_final_message", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "lora_path", b"lora_path", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "messages", b"messages", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "no_stop_trim", b"no_stop_trim", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "priority", b"priority", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "return_cached_tokens_details", b"return_cached_tokens_details", "return_hidden_states", b"return_hidden_states", "return_routed_experts", b"return_routed_experts", "return_token_ids", b"return_token_ids", "rid", b"rid", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_frequency_penalty", b"_frequency_penalty", "_json_whitespace_flexible", b"_json_whitespace_flexible", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_priority", b"_priority", "_repetition_penalty", b"_repetition_penalty", "_routed_experts_start_len", b"_routed_experts_start_len", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs", "constraint", b"constraint", "continue_final_message", b"continue_final_message", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "hidden_states_mode", b"hidden_states_mode", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "json_whitespace_flexible", b"json_whitespace_flexible", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "lora_path", b"lora_path", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "messages", b"messages", "min_p", b"min_p", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "no_stop_trim", b"no_stop_trim", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "priority", b"priority", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "return_cached_tokens_details", b"return_cached_tokens_details", "return_hidden_states", b"return_hidden_states", "return_routed_experts", b"return_routed_experts", "return_token_ids", b"return_token_ids", "rid", b"rid", "routed_experts_start_len", b"routed_experts_start_len", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_regex", b"stop_regex", "stop_token_ids", b"stop_token_ids", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
     _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
@@ -1027,6 +1094,8 @@ class ChatCompleteRequest(_message.Message):
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__routed_experts_start_len: _TypeAlias = _typing.Literal["routed_experts_start_len"]  # noqa: Y015
+    _WhichOneofArgType__routed_experts_start_len: _TypeAlias = _typing.Literal["_routed_experts_start_len", b"_routed_experts_start_len"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
@@ -1065,6 +1134,8 @@ class ChatCompleteRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_experts_start_len) -> _WhichOneofReturnType__routed_experts_start_len | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
@@ -1431,6 +1502,8 @@ class ChatChoice(_message.Message):
     MATCHED_STOP_TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    HIDDEN_STATES_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """The choice's index in [0, n)."""
     finish_reason: Global___CompletionFinishReason.ValueType
@@ -1459,6 +1532,19 @@ class ChatChoice(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The rendered prompt's token ids, on a choice's first message, with return_token_ids."""
 
+    @_builtins.property
+    def hidden_states(self) -> _containers.RepeatedCompositeFieldContainer[_generate_pb2.Embedding]:
+        """Final-layer hidden states with return_hidden_states, as CompletionChoice.hidden_states: all the positions, or
+        the new ones when streamed (on the chunk of content, tool calls or finish they came with, or a chunk with an
+        empty delta of their own). Empty otherwise.
+        """
+
+    @_builtins.property
+    def routed_experts(self) -> _generate_pb2.RoutedExperts:
+        """The experts each position was routed to, with return_routed_experts, as CompletionChoice.routed_experts
+        (streamed: as hidden_states). Unset otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -1471,10 +1557,12 @@ class ChatChoice(_message.Message):
         matched_stop_text: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        hidden_states: _abc.Iterable[_generate_pb2.Embedding] | None = ...,
+        routed_experts: _generate_pb2.RoutedExperts | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_text", b"matched_stop_text", "matched_stop_token_id", b"matched_stop_token_id", "message", b"message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_text", b"matched_stop_text", "matched_stop_token_id", b"matched_stop_token_id", "message", b"message", "routed_experts", b"routed_experts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_text", b"matched_stop_text", "matched_stop_token_id", b"matched_stop_token_id", "message", b"message", "prompt_token_ids", b"prompt_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "finish_reason", b"finish_reason", "hidden_states", b"hidden_states", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_text", b"matched_stop_text", "matched_stop_token_id", b"matched_stop_token_id", "message", b"message", "prompt_token_ids", b"prompt_token_ids", "routed_experts", b"routed_experts", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_matched_stop: _TypeAlias = _typing.Literal["matched_stop_token_id", "matched_stop_text"]  # noqa: Y015
     _WhichOneofArgType_matched_stop: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015

@@ -60,12 +60,12 @@ def _position_pb(p: PositionLogprobs) -> generate_pb2.PositionLogprobs:
     )
 
 
-def _hidden_pb(rows: tuple[bytes, ...] | list[bytes]) -> list[generate_pb2.Embedding]:
+def hidden_pb(rows: tuple[bytes, ...] | list[bytes]) -> list[generate_pb2.Embedding]:
     """float32 little-endian rows -> Embedding messages (the values as sent: float32 on the wire too)."""
     return [generate_pb2.Embedding(values=np.frombuffer(r, dtype="<f4").tolist()) for r in rows]
 
 
-def _routed_pb(pieces: list[RoutedExperts], info: ExpertsInfo | None) -> generate_pb2.RoutedExperts | None:
+def routed_pb(pieces: list[RoutedExperts], info: ExpertsInfo | None) -> generate_pb2.RoutedExperts | None:
     """Consecutive pieces -> one RoutedExperts message [positions, moe layers, top_k] (None: no pieces)."""
     if not pieces or info is None:
         return None
@@ -214,8 +214,8 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                     index=req.index, rid=req.rid, text=out.text, token_ids=out.token_ids,
                     output_logprobs=[_position_pb(p) for p in out.output_logprobs],
                     input_logprobs=[_position_pb(p) for p in out.input_logprobs],
-                    hidden_states=_hidden_pb(out.hidden_states),
-                    routed_experts=_routed_pb([out.routed_experts] if out.routed_experts else [], experts),
+                    hidden_states=hidden_pb(out.hidden_states),
+                    routed_experts=routed_pb([out.routed_experts] if out.routed_experts else [], experts),
                 )
                 _finish_fields(out, msg)
                 yield msg
@@ -233,8 +233,8 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                     index=m.index, rid=m.rid, text="".join(m.text), token_ids=m.token_ids,
                     output_logprobs=[_position_pb(p) for p in m.output_logprobs],
                     input_logprobs=[_position_pb(p) for p in m.input_logprobs],
-                    hidden_states=_hidden_pb(m.hidden_states),
-                    routed_experts=_routed_pb(m.routed, experts),
+                    hidden_states=hidden_pb(m.hidden_states),
+                    routed_experts=routed_pb(m.routed, experts),
                 )
                 _finish_fields(out, msg)
                 yield msg

@@ -13,7 +13,7 @@ import asyncio
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 import grpc
 import numpy as np
@@ -23,11 +23,14 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from lmrpc.server.embeddings import prompt_embeddings
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
 from lmrpc.server.protocol import Constraint, HiddenStatesMode, ModelInfo, PromptEmbeddings, SamplingParams
-from lmrpc.v1 import generate_pb2
+from lmrpc.v1 import generate_pb2, openai_pb2
 
 if TYPE_CHECKING:
     from lmrpc.server.lora.registry import LoadedAdapter, LoraRegistry
 
+# The requests that may ask for hidden states and routed experts: the four fields are spelled alike in all three.
+ExtrasRequest = Union[  # noqa: UP007 (runtime alias)
+    generate_pb2.GenerateRequest, openai_pb2.CompleteRequest, openai_pb2.ChatCompleteRequest]
 MAX_TOP_LOGPROBS = 20
 # Request fields of features not built yet: using one is answered UNIMPLEMENTED, never ignored.
 UNBUILT_FIELDS = (
@@ -195,7 +198,7 @@ def check_embeddings(req: generate_pb2.GenerateRequest, info: ModelInfo) -> list
     return out
 
 
-def hidden_states_mode(req: generate_pb2.GenerateRequest, info: ModelInfo) -> HiddenStatesMode | None:
+def hidden_states_mode(req: ExtrasRequest, info: ModelInfo) -> HiddenStatesMode | None:
     """return_hidden_states and hidden_states_mode -> the mode (None: no hidden states)."""
     c = Collector()
     mode = req.hidden_states_mode
@@ -209,7 +212,7 @@ def hidden_states_mode(req: generate_pb2.GenerateRequest, info: ModelInfo) -> Hi
     return HiddenStatesMode.LAST if mode == generate_pb2.HIDDEN_STATES_MODE_LAST else HiddenStatesMode.ALL
 
 
-def routed_experts_from(req: generate_pb2.GenerateRequest, info: ModelInfo, enabled: bool) -> int | None:
+def routed_experts_from(req: ExtrasRequest, info: ModelInfo, enabled: bool) -> int | None:
     """return_routed_experts and routed_experts_start_len -> the first position to return (None: not asked).
     A dense model is INVALID_ARGUMENT; a server without --enable-return-routed-experts, FAILED_PRECONDITION."""
     c = Collector()
@@ -227,6 +230,14 @@ def routed_experts_from(req: generate_pb2.GenerateRequest, info: ModelInfo, enab
     return req.routed_experts_start_len if req.HasField("routed_experts_start_len") else 0
 
 
+def check_routed_start(c: Collector, req: ExtrasRequest, prompt_len: int) -> None:
+    """routed_experts_start_len within a prompt of `prompt_len` tokens (checked per prompt)."""
+    if req.return_routed_experts and req.HasField("routed_experts_start_len"):
+        k = req.routed_experts_start_len
+        c.check(0 <= k <= prompt_len, "routed_experts_start_len",
+                f"must be in [0, {prompt_len}] (prompt length), got {k}")
+
+
 def check_prompt(ids: list[int], index: int, info: ModelInfo, req: generate_pb2.GenerateRequest) -> None:
     c = Collector()
     if not req.input_embeds:  # embeddings prompts were checked by check_embeddings; their ids are placeholders
@@ -234,10 +245,7 @@ def check_prompt(ids: list[int], index: int, info: ModelInfo, req: generate_pb2.
     if req.HasField("logprob_start_len"):
         k = req.logprob_start_len
         c.check(-1 <= k <= len(ids), "logprob_start_len", f"must be in [-1, {len(ids)}] (prompt length), got {k}")
-    if req.return_routed_experts and req.HasField("routed_experts_start_len"):
-        k = req.routed_experts_start_len
-        c.check(0 <= k <= len(ids), "routed_experts_start_len",
-                f"must be in [0, {len(ids)}] (prompt length), got {k}")
+    check_routed_start(c, req, len(ids))
     for t in req.token_ids_logprob:
         c.check(0 <= t < info.vocab_size, "token_ids_logprob", f"token id {t} outside [0, {info.vocab_size})")
     c.raise_if_any()

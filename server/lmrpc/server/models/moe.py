@@ -1,10 +1,12 @@
-"""Mixture-of-experts decoder models: Qwen2-MoE, Qwen3-MoE and Mixtral.
+"""Mixture-of-experts decoder models: Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE.
 
 Attention, norms, embeddings and the output projection are the Llama family's (`llama.py`); each sparse layer's MLP
 is a router and experts. The router's logits (float32) go through a softmax; the top_k experts per token are kept,
-their probabilities renormalized to sum to 1 where the config says (Mixtral always; Qwen's `norm_topk_prob`). A
-Qwen2-MoE layer adds a shared expert scaled by the sigmoid of its own gate. Layers that a config keeps dense
-(`mlp_only_layers`, `decoder_sparse_step`) are ordinary Llama layers.
+their probabilities renormalized to sum to 1 where the config says (Mixtral always; Qwen's and OLMoE's
+`norm_topk_prob`). A Qwen2-MoE layer adds a shared expert scaled by the sigmoid of its own gate. Layers that a config
+keeps dense (`mlp_only_layers`, `decoder_sparse_step`) are ordinary Llama layers. OLMoE normalizes q and k with
+RMSNorms over their full width (all heads at once, not per head as Qwen3-MoE) and may clip q, k and v (`clip_qkv`):
+done here on the qkv product's rows, before attention.
 
 Experts run grouped: the (token, slot) pairs are sorted by expert, and each active expert runs one product over its
 tokens' rows (no Python loop over tokens). Every product is a `LinearLayer` whose rows do not depend on the row
@@ -38,6 +40,7 @@ class MoEFamily:
     experts_key: str  # the config attribute with the number of experts
     always_normalize: bool  # renormalize top-k weights whatever the config says (Mixtral)
     qk_norm: bool  # per-head q/k RMSNorms (Qwen3-MoE)
+    full_qk_norm: bool = False  # q/k RMSNorms over all heads at once (OLMoE)
 
     def __post_init__(self) -> None:
         assert len(self.projections) == 3 and self.block and self.experts_key
@@ -47,7 +50,32 @@ FAMILIES: dict[str, MoEFamily] = {
     "Qwen2MoeForCausalLM": MoEFamily("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", False, False),
     "Qwen3MoeForCausalLM": MoEFamily("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", False, True),
     "MixtralForCausalLM": MoEFamily("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", True, False),
+    "OlmoeForCausalLM": MoEFamily("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", False, False,
+                                  full_qk_norm=True),
 }
+
+
+@dataclass(frozen=True)
+class FullQKNorm:
+    """OLMoE's attention prologue on the qkv product's rows: RMSNorms over the whole q and the whole k (every
+    head at once), then q, k and v clipped to [-clip, clip] when the config sets clip_qkv. Per row."""
+
+    q: torch.Tensor  # [heads * head_dim] float32
+    k: torch.Tensor  # [kv_heads * head_dim] float32
+    eps: float  # the RMSNorms' epsilon
+    clip: float | None  # clip_qkv; None: no clipping
+
+    def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (heads + 2 kv_heads) * head_dim] -> the same, q and k normalized (and all clipped)."""
+        q_width, k_width = self.q.numel(), self.k.numel()
+        x = qkv.float()
+        q, k, v = x[:, :q_width], x[:, q_width : q_width + k_width], x[:, q_width + k_width :]
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + self.eps) * self.q
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.eps) * self.k
+        out = torch.cat([q, k, v], dim=-1)  # [T, (heads + 2 kv_heads) * head_dim]
+        if self.clip is not None:
+            out = out.clamp(-self.clip, self.clip)
+        return out.to(qkv.dtype).contiguous()
 
 
 @dataclass(frozen=True)
@@ -136,12 +164,15 @@ class MoEDecoderLayer:
     mlp: SparseMLP  # router and experts
     # where forward appends the chosen experts [T, top_k] of each sparse layer, when the model records routing
     routed: list[list[torch.Tensor]] = field(default_factory=list)
+    full_qk_norm: FullQKNorm | None = None  # OLMoE's whole-width q/k norms (and clipping)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext, eps: float,
                  lora: tuple[RowGroup, ...] = ()) -> torch.Tensor:
         """x [T, hidden] float32 -> [T, hidden]."""
         assert not lora, "the LoRA registry loads no adapter for an MoE model (accepts_adapters is False)"
         qkv = self.qkv(x, norm=self.input_norm, eps=eps)  # [T, (heads + 2 kv_heads) * head_dim]
+        if self.full_qk_norm is not None:
+            qkv = self.full_qk_norm(qkv)
         attn = ctx.attention(self.index, qkv, ctx.plan, self.qk_norm)  # [T, heads * head_dim]
         x = self.o(attn, residual=x)
         return self.mlp(x, self.post_attention_norm, eps, self.routed[0] if self.routed else None)
@@ -188,8 +219,14 @@ class MoEForCausalLM(LlamaForCausalLM):
             shared_down=builder.build(w.matrix(p + "shared_expert.down_proj.weight")) if shared else None,
             top_k=self.experts.top_k, normalize=self.experts.normalize,
         )
+        full = None
+        if self.family.full_qk_norm:
+            clip = getattr(self.config, "clip_qkv", None)
+            full = FullQKNorm(self._vector(w, f"model.layers.{i}.self_attn.q_norm.weight"),
+                              self._vector(w, f"model.layers.{i}.self_attn.k_norm.weight"), self.shape.eps,
+                              None if clip is None else float(clip))
         return MoEDecoderLayer(i, a.input_norm, a.post_attention_norm, a.qk_norm, a.qkv, a.o, mlp,
-                               self._routing_sink)
+                               self._routing_sink, full)
 
     def experts_info(self) -> ExpertsInfo:
         return ExpertsInfo(len(self.experts.sparse_layers), self.experts.experts, self.experts.top_k)

@@ -16,7 +16,7 @@ from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.openai import tools
 from lmrpc.server.openai import validation as rules
 from lmrpc.server.openai.chat_template import RESERVED_KWARGS, ChatTemplate
-from lmrpc.server.openai.choices import CallUsage, Candidate, engine_requests, set_finish
+from lmrpc.server.openai.choices import CallUsage, Candidate, engine_requests, set_finish, set_model_outputs
 from lmrpc.server.openai.logprobs import TokenTexts, chat_logprobs
 from lmrpc.server.protocol import EngineOutput, EngineRequest, Finish, LogprobOptions
 from lmrpc.server.telemetry import CallObserver
@@ -38,10 +38,11 @@ class ChatPlan:
 
 
 async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, template: ChatTemplate, rid: str,
-               use_model_defaults: bool, capacity: int) -> ChatPlan:
-    """Check, render and tokenize; raises RequestError naming the field (FAILED_PRECONDITION without a template)."""
+               use_model_defaults: bool, capacity: int, routed_enabled: bool) -> ChatPlan:
+    """Check, render and tokenize; raises RequestError naming the field (FAILED_PRECONDITION without a template).
+    routed_enabled: the server returns routed experts (--enable-return-routed-experts)."""
     info = engine.model_info
-    rules.check_unbuilt(req)
+    outputs = rules.model_outputs(req, info, routed_enabled)
     adapter_ref, adapter_field = rules.check_model(req.model, info.served_model_name, req.lora_path)
     adapter = await validation.resolve_adapter(engine.lora, adapter_ref, adapter_field)
     options = rules.chat_options(req, RESERVED_KWARGS)
@@ -57,7 +58,7 @@ async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, templat
     tokenizer = engine.tokenizer
     # The template spells out the special tokens it wants (BOS included): add none.
     prompt = tuple(await asyncio.to_thread(tokenizer.encode, rendered.text, add_special_tokens=False))
-    rules.check_prompt(list(prompt), "messages", info)
+    rules.check_prompt(list(prompt), "messages", info, req)
     constraint = options.constraint or _tool_constraint(options)
     max_tokens, max_field = rules.chat_max_tokens(req, info)
     pb = rules.sampling_pb(req, max_tokens, constraint)
@@ -72,7 +73,7 @@ async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, templat
         if error is not None:
             raise validation.invalid(constraint.field, error)
     logprobs = LogprobOptions(top_k=options.logprobs) if options.logprobs is not None else None
-    requests = engine_requests(rid, [prompt], [params], options.n, logprobs, adapter)
+    requests = engine_requests(rid, [prompt], [params], options.n, logprobs, adapter, outputs)
     model = req.model if adapter else info.served_model_name  # "base:adapter" is answered as asked
     return ChatPlan(id=f"chatcmpl-{rid}", created=int(time.time()), model=model, options=options,
                     prompt=prompt, requests=tuple(requests))
@@ -171,6 +172,12 @@ class ChatStream:
             last = openai_pb2.ChatChoice(index=candidate.request.index, delta=openai_pb2.ChatMessage())
             self._set_finish(last, state, out.finish)
             chunks.append(last)
+        if out.hidden_states or out.routed_experts is not None:
+            # New positions go out at once: on the first chunk, or on one of their own while the text is held back.
+            if not chunks:
+                chunks.append(openai_pb2.ChatChoice(index=candidate.request.index, delta=openai_pb2.ChatMessage()))
+            set_model_outputs(chunks[0], out.hidden_states, [out.routed_experts] if out.routed_experts else [],
+                              self.engine.model_info.experts)
         if chunks:  # logprobs and token ids ride on the first chunk that goes out
             if options.logprobs is not None:
                 chunks[0].logprobs.content.extend(state.logprobs[state.logprobs_sent:])
@@ -206,6 +213,7 @@ class ChatStream:
             choice.token_ids.extend(candidate.token_ids)
         if self.plan.options.logprobs is not None:
             choice.logprobs.content.extend(state.logprobs)
+        set_model_outputs(choice, candidate.hidden_states, candidate.routed, self.engine.model_info.experts)
         assert candidate.finish is not None, "every output of a completed call finished"
         self._set_finish(choice, state, candidate.finish)
         return choice

@@ -7,16 +7,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from lmrpc.server.openai.validation import ModelOutputs
 from lmrpc.server.protocol import (
     AdapterRef,
     EngineOutput,
     EngineRequest,
+    ExpertsInfo,
     Finish,
     FinishReason,
     LogprobOptions,
     PositionLogprobs,
+    RoutedExperts,
     SamplingParams,
 )
+from lmrpc.server.service import hidden_pb, routed_pb
 from lmrpc.v1 import openai_pb2
 
 _STOP_REASONS = (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING, FinishReason.STOP_REGEX,
@@ -28,9 +32,12 @@ class EngineFailure(Exception):
 
 
 def engine_requests(rid: str, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], candidates: int,
-                    logprobs: LogprobOptions | None, adapter: AdapterRef | None = None) -> list[EngineRequest]:
+                    logprobs: LogprobOptions | None, adapter: AdapterRef | None = None,
+                    outputs: ModelOutputs | None = None) -> list[EngineRequest]:
     """`candidates` outputs per prompt, prompt-major; candidate i is seeded seed + i (seeded samples must differ),
     and candidates 1.. reuse candidate 0's prompt pages (prefill shared through the prefix cache)."""
+    hidden = outputs.hidden_states if outputs is not None else None
+    routed_from = outputs.routed_experts_from if outputs is not None else None
     out = []
     for p, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
         for c in range(candidates):
@@ -39,6 +46,7 @@ def engine_requests(rid: str, prompts: Sequence[Sequence[int]], params: Sequence
                 request_id=f"{rid}/{p}.{c}", rid=rid, index=p * candidates + c, prompt_ids=tuple(prompt),
                 params=replace(prompt_params, seed=seed, n=candidates), logprobs=logprobs,
                 share_prefill_with=None if c == 0 else f"{rid}/{p}.0", adapter=adapter,
+                hidden_states=hidden, routed_experts_from=routed_from,
             ))
     return out
 
@@ -54,6 +62,8 @@ class Candidate:
     text: list[str] = field(default_factory=list)  # text pieces, in order
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)  # one per generated token, when asked
     input_logprobs: list[PositionLogprobs] = field(default_factory=list)  # the prompt's, when asked
+    hidden_states: list[bytes] = field(default_factory=list)  # hidden-state rows in position order, when asked
+    routed: list[RoutedExperts] = field(default_factory=list)  # routed-expert pieces in position order, when asked
     finish: Finish | None = None  # set once finished
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once finished)
 
@@ -68,6 +78,9 @@ class Candidate:
         self.text.append(out.text)
         self.output_logprobs.extend(out.output_logprobs)
         self.input_logprobs.extend(out.input_logprobs)
+        self.hidden_states.extend(out.hidden_states)
+        if out.routed_experts is not None:
+            self.routed.append(out.routed_experts)
         if out.finish is not None:
             self.finish = out.finish
         if out.usage is not None:
@@ -78,6 +91,20 @@ class Candidate:
         """best_of's score: the mean logprob of the generated tokens (the stop token included); -inf if none."""
         scores = [p.chosen.logprob for p in self.output_logprobs if p.chosen.logprob is not None]
         return math.fsum(scores) / len(scores) if scores else -math.inf
+
+
+def set_model_outputs(choice: openai_pb2.CompletionChoice | openai_pb2.ChatChoice, hidden_states: Sequence[bytes],
+                      routed: Sequence[RoutedExperts], experts: ExpertsInfo | None) -> None:
+    """A choice's hidden states and routed experts (the whole choice's, or a chunk's new ones) as GenerateService
+    writes them."""
+    choice.hidden_states.extend(hidden_pb(list(hidden_states)))
+    pb = routed_pb(list(routed), experts)
+    if pb is not None:
+        choice.routed_experts.CopyFrom(pb)
+
+
+def has_model_outputs(choice: openai_pb2.CompletionChoice | openai_pb2.ChatChoice) -> bool:
+    return len(choice.hidden_states) > 0 or choice.HasField("routed_experts")
 
 
 def best(candidates: Sequence[Candidate], n: int) -> list[Candidate]:

@@ -12,7 +12,15 @@ from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.openai import fim
 from lmrpc.server.openai import validation as rules
-from lmrpc.server.openai.choices import CallUsage, Candidate, best, engine_requests, set_finish
+from lmrpc.server.openai.choices import (
+    CallUsage,
+    Candidate,
+    best,
+    engine_requests,
+    has_model_outputs,
+    set_finish,
+    set_model_outputs,
+)
 from lmrpc.server.openai.logprobs import CompletionLogprobsWriter, TokenTexts
 from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, SamplingParams
 from lmrpc.server.telemetry import CallObserver
@@ -33,10 +41,11 @@ class CompletionPlan:
 
 
 async def plan(req: openai_pb2.CompleteRequest, engine: AsyncEngine, fim_tokens: fim.FimTokens | None, rid: str,
-               use_model_defaults: bool, capacity: int) -> CompletionPlan:
-    """Check and tokenize; raises RequestError naming the field."""
+               use_model_defaults: bool, capacity: int, routed_enabled: bool) -> CompletionPlan:
+    """Check and tokenize; raises RequestError naming the field. routed_enabled: the server returns routed experts
+    (--enable-return-routed-experts)."""
     info = engine.model_info
-    rules.check_unbuilt(req)
+    outputs = rules.model_outputs(req, info, routed_enabled)
     adapter_ref, adapter_field = rules.check_model(req.model, info.served_model_name, req.lora_path)
     adapter = await validation.resolve_adapter(engine.lora, adapter_ref, adapter_field)
     options = rules.completion_options(req)
@@ -48,7 +57,7 @@ async def plan(req: openai_pb2.CompleteRequest, engine: AsyncEngine, fim_tokens:
     prompts, echo_texts = await asyncio.to_thread(_tokenize, req, engine, fim_tokens, options)
     field = "prompt" if req.prompt else "prompt_token_ids"
     for i, ids in enumerate(prompts):
-        rules.check_prompt(list(ids), f"{field}[{i}]", info)
+        rules.check_prompt(list(ids), f"{field}[{i}]", info, req)
     constraint = options.constraint
     params: list[SamplingParams] = []
     for ids in prompts:
@@ -65,7 +74,7 @@ async def plan(req: openai_pb2.CompleteRequest, engine: AsyncEngine, fim_tokens:
     scored = options.logprobs is not None or options.best_of > options.n  # best_of ranks by logprobs
     logprobs = LogprobOptions(start_len=0 if options.echo and options.logprobs is not None else -1,
                               top_k=options.logprobs or 0) if scored else None
-    requests = engine_requests(rid, prompts, params, options.best_of, logprobs, adapter)
+    requests = engine_requests(rid, prompts, params, options.best_of, logprobs, adapter, outputs)
     model = req.model if adapter else info.served_model_name  # "base:adapter" is answered as asked
     return CompletionPlan(id=f"cmpl-{rid}", created=int(time.time()), model=model, options=options,
                           prompts=prompts, echo_texts=echo_texts, requests=tuple(requests))
@@ -149,9 +158,12 @@ class CompletionStream:
                                  out.token_ids, out.finish is not None, choice.logprobs)
         if options.output.return_token_ids:
             choice.token_ids.extend(out.token_ids)
+        set_model_outputs(choice, out.hidden_states, [out.routed_experts] if out.routed_experts else [],
+                          self.engine.model_info.experts)
         set_finish(choice, out.finish)
         has_logprobs = choice.HasField("logprobs") and len(choice.logprobs.tokens) > 0
-        if not (first or choice.text or choice.token_ids or has_logprobs or out.finish is not None):
+        if not (first or choice.text or choice.token_ids or has_logprobs or has_model_outputs(choice)
+                or out.finish is not None):
             return None
         return choice
 
@@ -189,6 +201,7 @@ class CompletionStream:
                 if options.output.return_token_ids:
                     choice.prompt_token_ids.extend(candidate.request.prompt_ids)
                     choice.token_ids.extend(candidate.token_ids)
+                set_model_outputs(choice, candidate.hidden_states, candidate.routed, self.engine.model_info.experts)
                 set_finish(choice, candidate.finish)
                 choices.append(choice)
         return choices

@@ -50,6 +50,10 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         return config.engine_config.scheduler.max_running_requests + config.server_config.max_queued_requests
 
     @property
+    def _routed_enabled(self) -> bool:
+        return self.frontend.engine_config.enable_return_routed_experts
+
+    @property
     def _model_defaults(self) -> bool:
         return self.frontend.engine_config.sampling_defaults == "model"
 
@@ -61,7 +65,7 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         async def build(rid: str) -> completions.CompletionPlan:
             _, fim_tokens = self._model_parts()
             return await completions.plan(request, self.frontend.engine, fim_tokens, rid, self._model_defaults,
-                                          self._capacity)
+                                          self._capacity, self._routed_enabled)
 
         def answer(plan: completions.CompletionPlan,
                    outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[openai_pb2.CompleteResponse]:
@@ -78,7 +82,7 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         async def build(rid: str) -> chat.ChatPlan:
             template, _ = self._model_parts()
             return await chat.plan(request, self.frontend.engine, template, rid, self._model_defaults,
-                                   self._capacity)
+                                   self._capacity, self._routed_enabled)
 
         def answer(plan: chat.ChatPlan,
                    outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[openai_pb2.ChatCompleteResponse]:

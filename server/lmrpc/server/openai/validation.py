@@ -14,7 +14,7 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 from lmrpc.server import validation
-from lmrpc.server.protocol import ConstraintKind, ModelInfo
+from lmrpc.server.protocol import ConstraintKind, HiddenStatesMode, ModelInfo
 from lmrpc.server.validation import Collector, RequestError, Violation
 from lmrpc.v1 import generate_pb2, openai_pb2
 
@@ -22,7 +22,6 @@ OpenAIRequest = Union[openai_pb2.CompleteRequest, openai_pb2.ChatCompleteRequest
 ToolMode = Literal["none", "auto", "required", "function"]
 
 COMPLETE_MAX_TOKENS = 16  # OpenAI's default for completions; chat's default is what the context leaves
-UNBUILT_FIELDS = ("return_hidden_states", "return_routed_experts")
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # SamplingParams fields whose OpenAI names differ (the rest are spelled alike).
@@ -38,6 +37,14 @@ class OutputOptions:
     continuous_usage: bool  # streamed: every chunk carries the usage so far
     return_token_ids: bool  # choices carry their token ids and their prompt's
     cached_details: bool  # usage says where cached tokens were kept
+
+
+@dataclass(frozen=True)
+class ModelOutputs:
+    """What a call returns besides tokens: final-layer hidden states and routed experts (None: not asked)."""
+
+    hidden_states: HiddenStatesMode | None  # which hidden states
+    routed_experts_from: int | None  # the first prompt position whose routed experts are returned
 
 
 @dataclass(frozen=True)
@@ -98,11 +105,12 @@ def struct_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
 # ---- shared by both RPCs ---------------------------------------------------------------------------------------
 
 
-def check_unbuilt(req: OpenAIRequest) -> None:
-    c = Collector()
-    for name in UNBUILT_FIELDS:
-        c.check(not getattr(req, name), name, "not supported yet by this server")
-    c.raise_if_any(grpc.StatusCode.UNIMPLEMENTED)
+def model_outputs(req: OpenAIRequest, info: ModelInfo, routed_enabled: bool) -> ModelOutputs:
+    """return_hidden_states / return_routed_experts with their mode and start, by GenerateService's rules (and its
+    errors: a dense model INVALID_ARGUMENT, a server without --enable-return-routed-experts FAILED_PRECONDITION).
+    routed_experts_start_len's range is checked per prompt by check_prompt."""
+    return ModelOutputs(validation.hidden_states_mode(req, info),
+                        validation.routed_experts_from(req, info, routed_enabled))
 
 
 def check_model(model: str, served: str, lora_path: str) -> tuple[str, str]:
@@ -239,9 +247,10 @@ def completion_options(req: openai_pb2.CompleteRequest) -> CompletionOptions:
                              constraint=constraint, output=output)
 
 
-def check_prompt(ids: list[int], field: str, info: ModelInfo) -> None:
+def check_prompt(ids: list[int], field: str, info: ModelInfo, req: OpenAIRequest) -> None:
     c = Collector()
     validation.check_prompt_ids(c, ids, field, info)
+    validation.check_routed_start(c, req, len(ids))
     c.raise_if_any()
 
 
