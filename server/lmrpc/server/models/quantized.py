@@ -17,6 +17,7 @@ Activations enter products rounded to bfloat16 when the model dtype is bfloat16,
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class NativeLinear:
         self._op = native.load().PackedLinear(
             int(weight.format), int(compute), weight.n, weight.k, weight.group, weight.q4_signed, weight.data,
             weight.scale, weight.offset, None if bias is None else bias.float().contiguous(),
+            expand_codes=os.environ.get("LMRPC_EXPAND_CODES", "0") == "1",
         )
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
