@@ -72,6 +72,8 @@ def test_products_equal_the_dequantized_weight_and_rows_are_independent(fmt: str
         assert torch.equal(lin.forward(x[i : i + 1]), y[i : i + 1]), i
     for rows in (2, 3, 4, 5, 8, 9, 17, 33):
         assert torch.equal(lin.forward(x[:rows]), y[:rows]), rows
+    if expand_codes:  # the codes expanded once give the bits of the codes expanded on every call
+        assert torch.equal(y, op(p, compute).forward(x))
 
 
 @pytest.mark.parametrize("compute", [Compute.BF16, Compute.F32])

@@ -2,7 +2,7 @@
 //
 // Work is split by output tiles, never along k: each output element of each row is accumulated by one thread, over
 // its groups in order, each group over its kpairs in order (even and odd kpairs in two sums, added at the group's
-// end). Rows are processed in blocks of up to 4 that share weight loads, but a row's operations do not depend on
+// end). Rows are processed in blocks of up to 6 that share weight loads, but a row's operations do not depend on
 // its block, so a row gives the same bits alone or among any number of rows.
 #include "linear.h"
 
