@@ -23,9 +23,9 @@ from lmrpc.kernels.torch_attention import apply_rope, rms_norm
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
 
 
-def op(p: PackedWeight, compute: Compute, bias: torch.Tensor | None = None) -> object:
+def op(p: PackedWeight, compute: Compute, bias: torch.Tensor | None = None, expand_codes: bool = False) -> object:
     return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
-                                      p.offset, bias)
+                                      p.offset, bias, expand_codes=expand_codes)
 
 
 def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -54,11 +54,13 @@ FORMATS = {
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("shape", [(200, 96), (64, 576), (1000, 60)], ids=str)
-def test_products_equal_the_dequantized_weight_and_rows_are_independent(fmt: str, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("expand_codes", [False, True], ids=["codes", "expanded"])
+def test_products_equal_the_dequantized_weight_and_rows_are_independent(fmt: str, shape: tuple[int, int],
+                                                                         expand_codes: bool) -> None:
     make, compute = FORMATS[fmt]
     n, k = shape
     p = make(weight(n, k))
-    lin = op(p, compute)
+    lin = op(p, compute, expand_codes=expand_codes)
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(1))
     # The reference: float64 products of the dequantized weight with the inputs as the kernel sees them.
     xin = x.bfloat16().float() if compute == Compute.BF16 else x
@@ -70,6 +72,8 @@ def test_products_equal_the_dequantized_weight_and_rows_are_independent(fmt: str
         assert torch.equal(lin.forward(x[i : i + 1]), y[i : i + 1]), i
     for rows in (2, 3, 4, 5, 8, 9, 17, 33):
         assert torch.equal(lin.forward(x[:rows]), y[:rows]), rows
+    if expand_codes:  # the codes expanded once give the bits of the codes expanded on every call
+        assert torch.equal(y, op(p, compute).forward(x))
 
 
 @pytest.mark.parametrize("compute", [Compute.BF16, Compute.F32])

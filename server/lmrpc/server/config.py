@@ -26,6 +26,9 @@ class ModelConfig:
     # weight-only quantization of the linear layers, one of QUANTIZATIONS; auto: a GGUF file's own formats where a
     # kernel exists (the bundled model: its Q4_1 blocks), else none (see models/quantized.py)
     quantization: str = "auto"
+    # quantized weights also keep their codes expanded to bfloat16 (2 bytes per weight more): products over more
+    # than two rows read those instead of expanding the codes on every call. The same results either way.
+    expand_codes: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -2,7 +2,7 @@
 //
 // Work is split by output tiles, never along k: each output element of each row is accumulated by one thread, over
 // its groups in order, each group over its kpairs in order (even and odd kpairs in two sums, added at the group's
-// end). Rows are processed in blocks of up to 4 that share weight loads, but a row's operations do not depend on
+// end). Rows are processed in blocks of up to 6 that share weight loads, but a row's operations do not depend on
 // its block, so a row gives the same bits alone or among any number of rows.
 #include "linear.h"
 
@@ -15,7 +15,7 @@ namespace lmrpc {
 
 namespace {
 
-constexpr int kMaxRows = 4;  // rows per register block
+constexpr int kMaxRows = 6;  // rows per register block (at most)
 
 // ---- prologue: input rows -> rounded (bf16) or float32 rows of k_pad, and per-group sums --------------------
 
@@ -244,6 +244,15 @@ struct ExpandedSource {
   const T* all;  // [kp][2][32]
   GroupWeights group(int64_t g) const {
     return {all + g * at.gkp * 64, at.w->scale + at.scales(g),
+            at.w->offset != nullptr ? at.w->offset + at.scales(g) : nullptr};
+  }
+};
+
+// Quantized weights whose codes were expanded once, when the weight was made (PackedWeight::codes).
+struct CodesSource {
+  PairIndex at;
+  GroupWeights group(int64_t g) const {
+    return {at.w->codes + at.vectors(g) * 32, at.w->scale + at.scales(g),
             at.w->offset != nullptr ? at.w->offset + at.scales(g) : nullptr};
   }
 };
@@ -708,8 +717,8 @@ void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearAr
     for (int64_t g = 0; g < groups; ++g) {
       GroupWeights gw[P];
       for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int n = static_cast<int>(std::min<int64_t>(4, rows - r0));
         const uint16_t* x[kMaxRows];
         const float* sums[kMaxRows];
         float* y[kMaxRows];
@@ -726,10 +735,40 @@ void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearAr
         }
       }
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int n = static_cast<int>(std::min<int64_t>(4, rows - r0));
       epilogue(w, a, c0 + r0, n, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(Y.data() + r0 * 32 * kMaxPairs));
     }
+  }
+}
+#endif
+
+#if LMRPC_AVX512
+// Quantized weights with expanded codes, bf16 products, many rows: one tile pair at a time, blocks of up to
+// kMaxRows rows with their running sums in registers across the groups (block_bf16<R, 1, true>: 2R group sums and
+// 2R totals fit beside the weights), so no group's sums leave the registers and six rows share each weight load.
+// (Measured here against two pairs of three or four rows: one pair of six or four is faster.)
+void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& a, int64_t p) {
+  const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
+  const CodesSource src[1] = {{PairIndex{&w, p, groups, gkp, kp}}};
+  alignas(64) float out[kMaxRows][32 * kMaxPairs];
+  for (int64_t r0 = 0; r0 < a.m; r0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.m - r0));
+    RowBlock rb{};
+    for (int r = 0; r < rows; ++r) {
+      rb.x[r] = in.bf16.data() + (r0 + r) * w.k_pad;
+      rb.sums[r] = w.offset != nullptr ? in.sums.data() + (r0 + r) * groups : nullptr;
+      rb.out[r] = out[r];
+    }
+    switch (rows) {
+      case 1: block_bf16<1, 1, true>(src, groups, gkp, rb); break;
+      case 2: block_bf16<2, 1, true>(src, groups, gkp, rb); break;
+      case 3: block_bf16<3, 1, true>(src, groups, gkp, rb); break;
+      case 4: block_bf16<4, 1, true>(src, groups, gkp, rb); break;
+      case 5: block_bf16<5, 1, true>(src, groups, gkp, rb); break;
+      default: block_bf16<6, 1, true>(src, groups, gkp, rb); break;
+    }
+    epilogue(w, a, r0, rows, p, 1, out);
   }
 }
 #endif
@@ -747,7 +786,11 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
 #if LMRPC_AVX512
   if constexpr (sizeof(T) == 2) {
     if (quantized && !one_block) {
-      many_rows_quantized<P>(w, in, a, p, table, buffer);
+      if (w.codes != nullptr) {
+        for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, p + q);
+      } else {
+        many_rows_quantized<P>(w, in, a, p, table, buffer);
+      }
       return;
     }
     if (w.format == WeightFormat::Q4 && a.m == 1) {
@@ -858,6 +901,14 @@ void linear_batch(const LinearJob* jobs, int64_t count, Compute compute) {
 void weight_rows(const PackedWeight& w, const int64_t* ids, int64_t count, float* out, int64_t out_stride) {
   for (int64_t i = 0; i < count; ++i)
     for (int64_t k = 0; k < w.k; ++k) out[i * out_stride + k] = weight_value(w, ids[i], k);
+}
+
+void expand_codes(const PackedWeight& w, uint16_t* out) {
+  const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2, pairs = w.n_pad / 32;
+  const Q4Table table(w.q4_signed);
+  for (int64_t p = 0; p < pairs; ++p) {
+    ExpandSource<uint16_t>{PairIndex{&w, p, groups, gkp, kp}, &table, out + p * kp * 64}.expand_all();
+  }
 }
 
 bool native_bf16() { return LMRPC_AVX512 != 0; }

@@ -32,6 +32,10 @@ struct PackedWeight {
   const uint16_t* scale;   // quantized: fp16 [n_pad / 32][groups][2][16]; dense: null
   const uint16_t* offset;  // Q4 with offsets: fp16, laid out as scale; else null
   const float* bias;     // [n] or null
+  // Quantized weights with bfloat16 products: the codes once more, expanded to bfloat16 values (exact: small
+  // integers) in the BF16 layout, or null. Products over many rows read these instead of expanding the codes on
+  // every call; the sums and their order are the same, so the results are too (2 bytes per weight more memory).
+  const uint16_t* codes = nullptr;
 };
 
 // What happens to each input row before it enters the products.
@@ -75,6 +79,9 @@ void linear_batch(const LinearJob* jobs, int64_t count, Compute compute);
 
 // rows [count, n ... ] of the dequantized weight W[ids[i], :k] as float32 (embedding lookups from a tied weight).
 void weight_rows(const PackedWeight& w, const int64_t* ids, int64_t count, float* out, int64_t out_stride);
+
+// The codes of a quantized weight as bfloat16 values in the BF16 layout: out [n_pad * k_pad] (PackedWeight::codes).
+void expand_codes(const PackedWeight& w, uint16_t* out);
 
 bool native_bf16();  // compiled with AVX512-BF16 products
 

@@ -16,9 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_bf16", &lmrpc::native_bf16, "whether products use AVX512-BF16 instructions");
   py::class_<PackedLinear, std::shared_ptr<PackedLinear>>(m, "PackedLinear")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, bool, at::Tensor, std::optional<at::Tensor>,
-                    std::optional<at::Tensor>, std::optional<at::Tensor>>(),
+                    std::optional<at::Tensor>, std::optional<at::Tensor>, bool>(),
            py::arg("format"), py::arg("compute"), py::arg("n"), py::arg("k"), py::arg("group"), py::arg("q4_signed"),
-           py::arg("data"), py::arg("scale"), py::arg("offset"), py::arg("bias"))
+           py::arg("data"), py::arg("scale"), py::arg("offset"), py::arg("bias"), py::arg("expand_codes") = false)
       .def("forward", &PackedLinear::forward, py::arg("x"), py::arg("norm_weight") = py::none(),
            py::arg("eps") = 0.0, py::arg("silu") = false, py::arg("residual") = py::none(),
            py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>())

@@ -28,7 +28,8 @@ inline void check_f32_rows(const at::Tensor& t, int64_t width, const char* name)
 class PackedLinear {
  public:
   PackedLinear(int64_t format, int64_t compute, int64_t n, int64_t k, int64_t group, bool q4_signed, at::Tensor data,
-               std::optional<at::Tensor> scale, std::optional<at::Tensor> offset, std::optional<at::Tensor> bias)
+               std::optional<at::Tensor> scale, std::optional<at::Tensor> offset, std::optional<at::Tensor> bias,
+               bool expand_codes = false)
       : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias),
         compute_(static_cast<lmrpc::Compute>(compute)) {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
@@ -64,6 +65,11 @@ class PackedLinear {
     }
     w_ = lmrpc::PackedWeight{fmt, n, k, n_pad, k_pad, quantized ? group : k_pad, q4_signed, data_.data_ptr(),
                              half_or_null(scale_), half_or_null(offset_), ptr_or_null<float>(bias_)};
+    if (expand_codes && quantized && compute_ == lmrpc::Compute::BF16 && lmrpc::native_bf16()) {
+      codes_ = at::empty({n_pad * k_pad}, data_.options().dtype(at::kShort));
+      lmrpc::expand_codes(w_, reinterpret_cast<uint16_t*>(codes_->data_ptr<int16_t>()));
+      w_.codes = reinterpret_cast<const uint16_t*>(codes_->data_ptr<int16_t>());
+    }
   }
 
   // y = prologue(x) W^T (+ bias) (+ residual); x [m, k] ([m, 2k] with silu). With `out`, written there.
@@ -137,13 +143,14 @@ class PackedLinear {
   int64_t k() const { return w_.k; }
   int64_t nbytes() const {
     int64_t total = data_.nbytes();
-    for (const auto* t : {&scale_, &offset_, &bias_}) total += t->has_value() ? (*t)->nbytes() : 0;
+    for (const auto* t : {&scale_, &offset_, &bias_, &codes_}) total += t->has_value() ? (*t)->nbytes() : 0;
     return total;
   }
 
  private:
   at::Tensor data_;
   std::optional<at::Tensor> scale_, offset_, bias_;
+  std::optional<at::Tensor> codes_;  // PackedWeight::codes, when expanded
   lmrpc::Compute compute_;
   lmrpc::PackedWeight w_{};
 };

@@ -163,7 +163,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     formats: tuple[str, ...] = ()
     experts: ExpertsInfo | None = None  # a mixture-of-experts model's routing layout
     if arch in registry:
-        builder = LinearBuilder(quantization, dtype, device, native=_native_serves(device, dtype))
+        builder = LinearBuilder(quantization, dtype, device, native=_native_serves(device, dtype),
+                                expand_codes=config.expand_codes)
         weights: WeightSource
         if gguf is not None:
             heads = hf_config.num_attention_heads
