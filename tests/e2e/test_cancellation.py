@@ -44,13 +44,21 @@ def test_cancelling_24_streams_returns_the_pool_to_idle(server: RunningServer) -
     params = generate_pb2.SamplingParams(max_new_tokens=2000, ignore_eos=True, temperature=0.8)
     calls = [stub.Generate(generate_pb2.GenerateRequest(text=[f"Tell story number {i}."], sampling_params=[params],
                                                         stream=True)) for i in range(24)]
-    first = [next(iter(c)) for c in calls[:2]]  # the engine is busy with them
-    assert all(m.token_ids for m in first)
-    busy = gauges(server)
-    assert busy["lmrpc:num_requests_running"] + busy["lmrpc:num_requests_waiting"] >= 20
-    assert busy["lmrpc:kv_cache_usage_ratio"] > 0
-    for c in calls:
-        c.cancel()
+    try:
+        first = [next(iter(c)) for c in calls[:2]]  # the engine is busy with them
+        assert all(m.token_ids for m in first)
+        # The calls reach the server on their own schedule: wait until every one of them runs or waits.
+        deadline = time.monotonic() + 30
+        while True:
+            busy = gauges(server)
+            if busy["lmrpc:num_requests_running"] + busy["lmrpc:num_requests_waiting"] >= 24:
+                break
+            assert time.monotonic() < deadline, busy
+            time.sleep(0.05)
+        assert busy["lmrpc:kv_cache_usage_ratio"] > 0
+    finally:  # cancelled whatever happened, so that a failure here leaves nothing running for the next test
+        for c in calls:
+            c.cancel()
     cancelled = time.monotonic()
     idle = wait_idle(server, timeout=10)
     assert all(v == 0 for v in idle.values()), idle
