@@ -3,7 +3,7 @@ for tests of request fields end to end through validation, the services and the 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 import grpc
@@ -27,6 +27,14 @@ def engine_config(path: str | None, dtype: str, *, quantization: str = "auto", k
                                   max_prefill_chunk=max_batched),
         sampling_defaults="openai",
     )
+
+
+def running_engine(path: str | None, dtype: str) -> Iterator[tuple[AsyncEngine, EngineConfig]]:
+    """An engine on engine_config(path, dtype) and its config, shut down after (a module fixture's body)."""
+    config = engine_config(path, dtype)
+    engine = AsyncEngine.start(config)
+    yield engine, config
+    engine.shutdown()
 
 
 @asynccontextmanager

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from inprocess_service import engine_config, served
+from inprocess_service import engine_config, running_engine, served
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from lmrpc.kernels import native
@@ -47,10 +47,7 @@ def rows(msgs: list[generate_pb2.GenerateResponse]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir: Path) -> Iterator[tuple[AsyncEngine, EngineConfig]]:
-    config = engine_config(str(tiny_llama_dir), "float32")
-    engine = AsyncEngine.start(config)
-    yield engine, config
-    engine.shutdown()
+    yield from running_engine(str(tiny_llama_dir), "float32")
 
 
 async def test_smollm2_float32_equals_transformers(smollm2_tokenizer: PreTrainedTokenizerBase) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from inprocess_service import engine_config, served
+from inprocess_service import engine_config, running_engine, served
 from safetensors.torch import load_file
 
 from lmrpc.kernels import native
@@ -32,10 +32,7 @@ TOP = 5
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir: Path) -> Iterator[tuple[AsyncEngine, EngineConfig]]:
-    config = engine_config(str(tiny_llama_dir), "float32")
-    engine = AsyncEngine.start(config)
-    yield engine, config
-    engine.shutdown()
+    yield from running_engine(str(tiny_llama_dir), "float32")
 
 
 def tiny_rows(model_dir: Path, ids: list[int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from google.protobuf.message import Message
-from inprocess_service import engine_config, served_both
+from inprocess_service import running_engine, served_both
 
 from lmrpc.kernels import native
 from lmrpc.server.config import EngineConfig
@@ -32,18 +32,12 @@ Choice = openai_pb2.CompletionChoice | openai_pb2.ChatChoice
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir: Path) -> Iterator[tuple[AsyncEngine, EngineConfig]]:
-    config = engine_config(str(tiny_llama_dir), "float32")
-    engine = AsyncEngine.start(config)
-    yield engine, config
-    engine.shutdown()
+    yield from running_engine(str(tiny_llama_dir), "float32")
 
 
 @pytest.fixture(scope="module")
 def moe(tiny_moe_dir: Path) -> Iterator[tuple[AsyncEngine, EngineConfig]]:
-    config = engine_config(str(tiny_moe_dir), "float32")
-    engine = AsyncEngine.start(config)
-    yield engine, config
-    engine.shutdown()
+    yield from running_engine(str(tiny_moe_dir), "float32")
 
 
 def generate_request(ids: Sequence[int], *, mode: int = 0, routed: bool = False) -> generate_pb2.GenerateRequest:
