@@ -25,6 +25,15 @@ class RunningServer:
     # fill up and block it.
     output: list[str] = field(default_factory=list)
 
+    def stop(self) -> int:
+        """SIGTERM, then its exit code within 60 s (killed if it is still running then)."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=60)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+
 
 def start_server(*args: str, timeout: float = 300) -> RunningServer:
     process = subprocess.Popen(
@@ -52,20 +61,11 @@ def start_server(*args: str, timeout: float = 300) -> RunningServer:
     return running
 
 
-def stop_server(server: RunningServer) -> int:
-    server.process.send_signal(signal.SIGTERM)
-    try:
-        return server.process.wait(timeout=60)
-    finally:
-        if server.process.poll() is None:
-            server.process.kill()
-
-
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
     running = start_server("--enable-custom-logit-processor", "--sampling-defaults", "openai", "--metrics-port", "0")
     yield running
-    assert stop_server(running) == 0
+    assert running.stop() == 0
 
 
 @pytest.fixture()

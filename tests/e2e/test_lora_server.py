@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import signal
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -49,12 +48,7 @@ def lora_server(launch_server: Callable[..., RunningServer], tiny_llama_dir: Pat
         "--lora-modules", f"m1={modules / 'm1'}", "--lora-root", str(root), "--max-loaded-loras", "2",
         "--max-lora-rank", "16", "--enable-lora-admin", "--kv-cache-tokens", "16384", "--metrics-port", "0")
     yield running
-    running.process.send_signal(signal.SIGTERM)
-    try:
-        assert running.process.wait(timeout=60) == 0
-    finally:
-        if running.process.poll() is None:
-            running.process.kill()
+    assert running.stop() == 0
 
 
 @pytest.fixture()
@@ -226,9 +220,4 @@ def test_without_the_admin_flag_load_and_unload_answer_permission_denied(
         code, out, _ = _cli(capsys, "lora", "list", "--target", running.target)
         assert code == 0 and out.startswith("r1\t")
     finally:
-        running.process.send_signal(signal.SIGTERM)
-        try:
-            assert running.process.wait(timeout=60) == 0
-        finally:
-            if running.process.poll() is None:
-                running.process.kill()
+        assert running.stop() == 0

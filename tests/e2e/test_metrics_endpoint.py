@@ -5,7 +5,6 @@ and --log-format json writes one request line per finished output."""
 from __future__ import annotations
 
 import json
-import signal
 import time
 import urllib.request
 from collections import Counter
@@ -32,12 +31,7 @@ COUNTERS = ("prompt_tokens", "generation_tokens", "requests")
 def observed_server(launch_server: Callable[..., RunningServer]) -> Iterator[RunningServer]:
     running = launch_server("--metrics-port", "0", "--log-format", "json", "--sampling-defaults", "openai")
     yield running
-    running.process.send_signal(signal.SIGTERM)
-    try:
-        assert running.process.wait(timeout=60) == 0  # the metrics endpoint and tracing stop cleanly too
-    finally:
-        if running.process.poll() is None:
-            running.process.kill()
+    assert running.stop() == 0  # the metrics endpoint and tracing stop cleanly too
 
 
 def scrape(server: RunningServer) -> dict[str, list[Sample]]:

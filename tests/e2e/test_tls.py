@@ -6,7 +6,6 @@ and the keepalive and connection-age flags (so a server is shown to start and se
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -40,12 +39,7 @@ def tls_server(pki: Pki, launch_server: Callable[..., RunningServer]) -> Iterato
         "--max-connection-age", "600", "--max-connection-age-grace", "60",
         "--kv-cache-tokens", "4096", "--sampling-defaults", "openai")
     yield running
-    running.process.send_signal(signal.SIGTERM)
-    try:
-        assert running.process.wait(timeout=60) == 0
-    finally:
-        if running.process.poll() is None:
-            running.process.kill()
+    assert running.stop() == 0
 
 
 def _trusted(pki: Pki) -> grpc.ChannelCredentials:
