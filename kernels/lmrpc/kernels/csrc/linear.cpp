@@ -642,6 +642,7 @@ constexpr int block_rows(bool quantized) {
 }
 
 constexpr int64_t kRowChunk = 64;  // many rows, quantized: rows whose running sums share one expanded group
+constexpr int kGroupRows = 4;      // rows per call of group_rows_bf16 (its instantiations go up to 4)
 
 template <typename T, int P, bool Q, typename Source>
 void run_block(int rows, const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
@@ -717,8 +718,8 @@ void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearAr
     for (int64_t g = 0; g < groups; ++g) {
       GroupWeights gw[P];
       for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
-      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int n = static_cast<int>(std::min<int64_t>(4, rows - r0));
+      for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
+        const int n = static_cast<int>(std::min<int64_t>(kGroupRows, rows - r0));
         const uint16_t* x[kMaxRows];
         const float* sums[kMaxRows];
         float* y[kMaxRows];
@@ -735,8 +736,8 @@ void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearAr
         }
       }
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int n = static_cast<int>(std::min<int64_t>(4, rows - r0));
+    for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kGroupRows, rows - r0));
       epilogue(w, a, c0 + r0, n, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(Y.data() + r0 * 32 * kMaxPairs));
     }
   }
