@@ -195,11 +195,18 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def image_data(self) -> _containers.RepeatedCompositeFieldContainer[Global___MediaList]:
-        """Images, one list per batch member. Not built yet: using it is answered UNIMPLEMENTED."""
+        """Images: none, one list for every prompt, or exactly one list per prompt (like sampling_params). Each item fills
+        one image placeholder of its prompt, in order (the model's placeholder token, e.g. Qwen2-VL's
+        <|vision_start|><|image_pad|><|vision_end|>). A text-only model answers INVALID_ARGUMENT naming the item
+        (image_data[0].items[0]); so does an undecodable or oversized item, or more items than placeholders. At most
+        the server's --max-media-items items per prompt (images and audio together).
+        """
 
     @_builtins.property
     def audio_data(self) -> _containers.RepeatedCompositeFieldContainer[Global___MediaList]:
-        """Audio clips, one list per batch member. Not built yet: using it is answered UNIMPLEMENTED."""
+        """Audio clips, one list per batch member, with the same rules as image_data (audio placeholders, a model that
+        takes audio). Clips are decoded to mono float32 and resampled to the model's rate.
+        """
 
     @_builtins.property
     def sampling_params(self) -> _containers.RepeatedCompositeFieldContainer[Global___SamplingParams]:
@@ -367,31 +374,154 @@ Global___MediaList: _TypeAlias = MediaList  # noqa: Y015
 
 @_typing.final
 class MediaItem(_message.Message):
-    """MediaItem is one image or audio clip."""
+    """MediaItem is one image or audio clip. The same picture given as encoded bytes, a data: URI, a URL, a local path,
+    processor output or an embedding gives the same output.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     URL_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    PROCESSOR_OUTPUT_FIELD_NUMBER: _builtins.int
+    EMBEDDING_FIELD_NUMBER: _builtins.int
+    MIN_PIXELS_FIELD_NUMBER: _builtins.int
+    MAX_PIXELS_FIELD_NUMBER: _builtins.int
     url: _builtins.str
-    """A URL or a file path readable by the server."""
+    """Where the server reads the encoded file: an http(s) URL (fetched with the server's --media-fetch-timeout and
+    --max-media-bytes, only from --allowed-media-domains when that flag is given; redirects re-checked; an
+    unreachable URL is UNAVAILABLE, an error status INVALID_ARGUMENT, both with the cause), a data: URI
+    (data:image/png;base64,...; base64 only), or a file:// URL or plain path, read only from under
+    --allowed-local-media-path (symlinks and .. resolved first; elsewhere, or without the flag,
+    PERMISSION_DENIED).
+    """
     data: _builtins.bytes
-    """The encoded file's bytes (PNG, JPEG, WAV, ...)."""
+    """The encoded file's bytes: PNG, JPEG or WebP images; WAV, FLAC or MP3 audio. At most --max-media-bytes."""
+    min_pixels: _builtins.int
+    """Lower bound on the resized image's pixels, where the model's processor takes it (Qwen2-VL). Unset: the
+    processor's default. Range >= 1 and <= max_pixels when both are set. Ignored for audio.
+    """
+    max_pixels: _builtins.int
+    """Upper bound on the resized image's pixels, where the model's processor takes it (Qwen2-VL). Unset: the
+    processor's default. Range >= 1. Ignored for audio.
+    """
+    @_builtins.property
+    def processor_output(self) -> Global___ProcessorOutput:
+        """The model's processor output for this item, as its Hugging Face processor returns it (for Qwen2-VL:
+        pixel_values [patches, channels * temporal_patch * patch * patch] and image_grid_thw [1, 3]). Checked by the
+        model's processor: wrong names or shapes are INVALID_ARGUMENT naming the item.
+        """
+
+    @_builtins.property
+    def embedding(self) -> Global___Tensor:
+        """The item's rows as the language model reads them: float32 (or float16/bfloat16) of shape [tokens, hidden
+        size] (GetModelInfoResponse.hidden_size); one row per placeholder position the item fills.
+        """
+
     def __init__(
         self,
         *,
         url: _builtins.str = ...,
         data: _builtins.bytes = ...,
+        processor_output: Global___ProcessorOutput | None = ...,
+        embedding: Global___Tensor | None = ...,
+        min_pixels: _builtins.int | None = ...,
+        max_pixels: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "source", b"source", "url", b"url"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_pixels", b"_max_pixels", "_min_pixels", b"_min_pixels", "data", b"data", "embedding", b"embedding", "max_pixels", b"max_pixels", "min_pixels", b"min_pixels", "processor_output", b"processor_output", "source", b"source", "url", b"url"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "source", b"source", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_pixels", b"_max_pixels", "_min_pixels", b"_min_pixels", "data", b"data", "embedding", b"embedding", "max_pixels", b"max_pixels", "min_pixels", b"min_pixels", "processor_output", b"processor_output", "source", b"source", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["url", "data"]  # noqa: Y015
+    _WhichOneofReturnType__max_pixels: _TypeAlias = _typing.Literal["max_pixels"]  # noqa: Y015
+    _WhichOneofArgType__max_pixels: _TypeAlias = _typing.Literal["_max_pixels", b"_max_pixels"]  # noqa: Y015
+    _WhichOneofReturnType__min_pixels: _TypeAlias = _typing.Literal["min_pixels"]  # noqa: Y015
+    _WhichOneofArgType__min_pixels: _TypeAlias = _typing.Literal["_min_pixels", b"_min_pixels"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["url", "data", "processor_output", "embedding"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_pixels) -> _WhichOneofReturnType__max_pixels | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_pixels) -> _WhichOneofReturnType__min_pixels | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
 
 Global___MediaItem: _TypeAlias = MediaItem  # noqa: Y015
+
+@_typing.final
+class ProcessorOutput(_message.Message):
+    """ProcessorOutput is what a model's Hugging Face processor made of one media item: named tensors."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TensorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___Tensor: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___Tensor | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TENSORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tensors(self) -> _containers.MessageMap[_builtins.str, Global___Tensor]:
+        """The tensors by the processor's names (pixel_values, image_grid_thw, input_features, ...); at least one."""
+
+    def __init__(
+        self,
+        *,
+        tensors: _abc.Mapping[_builtins.str, Global___Tensor] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProcessorOutput: _TypeAlias = ProcessorOutput  # noqa: Y015
+
+@_typing.final
+class Tensor(_message.Message):
+    """Tensor is one dense array: its element type, its shape, and its elements' bytes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    dtype: _builtins.str
+    """The element type: "float32", "float16", "bfloat16", "int64" or "int32". Required."""
+    data: _builtins.bytes
+    """The elements, flattened row-major, little-endian."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The shape; each dimension >= 0. The product of the dimensions times the element size must equal len(data)."""
+
+    def __init__(
+        self,
+        *,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "dtype", b"dtype", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tensor: _TypeAlias = Tensor  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):

@@ -1176,7 +1176,8 @@ class ChatMessage(_message.Message):
     @_builtins.property
     def content_parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
         """The content as parts (OpenAI's list form of content); text parts are joined with "\\n" for the template.
-        Image parts are not built yet (UNIMPLEMENTED).
+        image_url and input_audio parts become the prompt's media items, in message order, each in the model's
+        placeholder where the part stands (see ContentPart); a text-only model answers INVALID_ARGUMENT.
         """
 
     @_builtins.property
@@ -1212,13 +1213,18 @@ class ContentPart(_message.Message):
     TYPE_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     IMAGE_URL_FIELD_NUMBER: _builtins.int
+    INPUT_AUDIO_FIELD_NUMBER: _builtins.int
     type: _builtins.str
-    """"text" or "image_url"."""
+    """"text", "image_url" or "input_audio"."""
     text: _builtins.str
     """The text, for type "text"."""
     @_builtins.property
     def image_url(self) -> Global___ImageUrl:
-        """The image, for type "image_url" (not built yet: UNIMPLEMENTED)."""
+        """The image, for type "image_url": fetched and limited as GenerateRequest's MediaItem.url."""
+
+    @_builtins.property
+    def input_audio(self) -> Global___InputAudio:
+        """The audio clip, for type "input_audio"."""
 
     def __init__(
         self,
@@ -1226,10 +1232,11 @@ class ContentPart(_message.Message):
         type: _builtins.str = ...,
         text: _builtins.str = ...,
         image_url: Global___ImageUrl | None = ...,
+        input_audio: Global___InputAudio | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["image_url", b"image_url"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image_url", b"image_url", "input_audio", b"input_audio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["image_url", b"image_url", "text", b"text", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image_url", b"image_url", "input_audio", b"input_audio", "text", b"text", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1244,9 +1251,11 @@ class ImageUrl(_message.Message):
     URL_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     url: _builtins.str
-    """A URL, or a data: URL with the image's bytes."""
+    """An http(s) URL, a data: URI with the image's bytes in base64, or a file:// URL or path under the server's
+    --allowed-local-media-path (as MediaItem.url).
+    """
     detail: _builtins.str
-    """"auto", "low" or "high"."""
+    """"auto", "low" or "high". Accepted and not used: the model's processor decides the resolution."""
     def __init__(
         self,
         *,
@@ -1260,6 +1269,32 @@ class ImageUrl(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ImageUrl: _TypeAlias = ImageUrl  # noqa: Y015
+
+@_typing.final
+class InputAudio(_message.Message):
+    """InputAudio is an audio clip of a content part (OpenAI's input_audio)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
+    data: _builtins.str
+    """The encoded file's bytes in base64. Required."""
+    format: _builtins.str
+    """The encoding: "wav", "mp3" or "flac". Required."""
+    def __init__(
+        self,
+        *,
+        data: _builtins.str = ...,
+        format: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "format", b"format"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputAudio: _TypeAlias = InputAudio  # noqa: Y015
 
 @_typing.final
 class Tool(_message.Message):
