@@ -13,10 +13,12 @@ from lmrpc.server.app import serve
 from lmrpc.server.auth import ApiKeys
 from lmrpc.server.config import (
     DTYPES,
+    MIB,
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     LoraConfig,
+    MediaConfig,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -82,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_transport_flags(p)
     _add_hardening_flags(p)
     _add_lora_flags(p)
+    _add_media_flags(p)
     return p.parse_args(argv)
 
 
@@ -110,6 +113,27 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
                         "loading by path)")
     g.add_argument("--enable-lora-admin", action="store_true",
                    help="serve LoadLoraAdapter and UnloadLoraAdapter (ListLoraAdapters is always served)")
+
+
+def _add_media_flags(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("media", "images and audio in prompts (multimodal models): sources and limits")
+    m.add_argument("--allowed-media-domains", nargs="*", metavar="HOST", default=None,
+                   help="http(s) media URLs may name only these hosts (exact; redirects re-checked); given with no "
+                        "host, no URL is fetched (default: any host)")
+    m.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="file:// URLs and plain paths are read from under DIR only, symlinks and .. resolved; "
+                        "elsewhere PERMISSION_DENIED (default: no local files)")
+    m.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="one URL fetch, redirects included; slower is UNAVAILABLE (10)")
+    m.add_argument("--max-media-bytes", type=int, default=20 * MIB, metavar="BYTES",
+                   help="encoded size of one item (bytes, data: URI, download or file); a fetch stops reading past "
+                        "it (20 MiB)")
+    m.add_argument("--max-image-pixels", type=int, default=4096 * 4096, metavar="N",
+                   help="width x height of one image, checked before it is decoded (16777216: 4096 x 4096)")
+    m.add_argument("--max-audio-seconds", type=float, default=600.0, metavar="SECONDS",
+                   help="length of one audio clip, checked before it is decoded (600)")
+    m.add_argument("--max-media-items", type=int, default=16, metavar="N",
+                   help="images and audio clips of one prompt together (16)")
 
 
 def _add_hardening_flags(p: argparse.ArgumentParser) -> None:
@@ -206,9 +230,22 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                             chat_template=read_chat_template(args.chat_template), api_keys=keys,
                             stalled_stream_timeout=args.stalled_stream_timeout,
                             max_queued_per_client=args.max_queued_per_client,
-                            engine_stall_timeout=args.engine_stall_timeout)
+                            engine_stall_timeout=args.engine_stall_timeout, media=media_config(args))
     except ValueError as e:
         _flag_error(ValueError(str(e).replace("api_key_file", "--api-key-file")), ServerConfig)
+
+
+def media_config(args: argparse.Namespace) -> MediaConfig:
+    """The media flags as a MediaConfig; a value out of range exits 2 naming the flag."""
+    try:
+        return MediaConfig(
+            allowed_media_domains=None if args.allowed_media_domains is None else tuple(args.allowed_media_domains),
+            allowed_local_media_path=args.allowed_local_media_path, media_fetch_timeout=args.media_fetch_timeout,
+            max_media_bytes=args.max_media_bytes, max_image_pixels=args.max_image_pixels,
+            max_audio_seconds=args.max_audio_seconds, max_media_items=args.max_media_items,
+        )
+    except ValueError as e:
+        _flag_error(e, MediaConfig)
 
 
 def read_chat_template(path: str | None) -> str | None:

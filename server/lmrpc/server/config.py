@@ -181,6 +181,45 @@ class TransportConfig:
         return self.tls_cert is not None
 
 
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """Where media items may come from and how large they may be (server/lmrpc/server/media/). Field names are the
+    flags' (--allowed-media-domains, ...)."""
+
+    # Hosts http(s) URLs may name (exact, case-insensitive; redirects are re-checked); None: any host, as vLLM
+    # without the flag. An empty tuple: no URL at all.
+    allowed_media_domains: tuple[str, ...] | None = None
+    # file:// URLs and plain paths are read only from under this directory (symlinks and .. resolved first);
+    # None: never read local files.
+    allowed_local_media_path: str | None = None
+    media_fetch_timeout: float = 10.0  # seconds one URL fetch may take in all (redirects included); (0, 3600]
+    max_media_bytes: int = 20 * MIB  # encoded bytes of one item, however it came; [1, 2**31 - 1]
+    max_image_pixels: int = 4096 * 4096  # width x height of one decoded image; [1, 2**31 - 1]
+    max_audio_seconds: float = 600.0  # length of one decoded audio clip; (0, 86400]
+    max_media_items: int = 16  # images and audio clips of one prompt together; [1, 1024]
+
+    def __post_init__(self) -> None:
+        if self.allowed_media_domains is not None:
+            bad = [d for d in self.allowed_media_domains if not d or "/" in d or ":" in d or d != d.strip()]
+            if bad:
+                raise ValueError(f"allowed_media_domains must be host names (no scheme, port or path), got {bad}")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a directory")
+        if not 0 < self.media_fetch_timeout <= 3600:
+            raise ValueError(f"media_fetch_timeout must be in (0, 3600] seconds, got {self.media_fetch_timeout}")
+        if not 1 <= self.max_media_bytes <= _MAX_GRPC_INT:
+            raise ValueError(f"max_media_bytes must be in [1, {_MAX_GRPC_INT}], got {self.max_media_bytes}")
+        if not 1 <= self.max_image_pixels <= _MAX_GRPC_INT:
+            raise ValueError(f"max_image_pixels must be in [1, {_MAX_GRPC_INT}], got {self.max_image_pixels}")
+        if not 0 < self.max_audio_seconds <= 86400:
+            raise ValueError(f"max_audio_seconds must be in (0, 86400], got {self.max_audio_seconds}")
+        if not 1 <= self.max_media_items <= 1024:
+            raise ValueError(f"max_media_items must be in [1, 1024], got {self.max_media_items}")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The gRPC front."""
@@ -202,6 +241,7 @@ class ServerConfig:
     # Seconds the engine may go without coming round its loop, with work pending, before it is declared stuck:
     # services report NOT_SERVING and calls in flight end UNAVAILABLE (liveness fails at 3x, or when it died).
     engine_stall_timeout: float = 60.0
+    media: MediaConfig = field(default_factory=MediaConfig)  # media items' sources and limits
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -1,16 +1,20 @@
 """What every servicer of the engine shares: the engine once loaded, the drain flag, admission control (outputs in
-flight against the server's limit, and per client), request ids, the replica's load, and the observation of a call
-(metrics, span, request log; an engine that cannot serve ends it UNAVAILABLE)."""
+flight against the server's limit, and per client), request ids, the replica's load, the observation of a call
+(metrics, span, request log; an engine that cannot serve ends it UNAVAILABLE), and the media path (items checked,
+read and decoded, then placed in their prompts by the model's processor).
+
+The two seams with the multimodal model side are here, one line each: `Frontend.multimodal_processor` (where the
+loaded model's processor is found) and `attach_media` (where a prompt's media goes into its EngineRequest)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import replace
-from typing import TypeVar
+from dataclasses import fields, replace
+from typing import Any, TypeVar
 
 import grpc
 
@@ -19,12 +23,28 @@ from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.engine import EngineUnavailable
 from lmrpc.server.lora.registry import LoadedAdapter
+from lmrpc.server.media import ingest
+from lmrpc.server.media.types import MediaError, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.metrics import Metrics
 from lmrpc.server.protocol import EngineRequest
 from lmrpc.server.telemetry import CallObserver
 
 T = TypeVar("T")
 LOAD_REFRESH = 0.5  # seconds a load reading is reused for ORCA reports (a burst of calls reads it once)
+# The EngineRequest field that carries a prompt's media to the engine (MultimodalPrompt.engine_media).
+ENGINE_MEDIA_FIELD = "prompt_media"
+
+
+def attach_media(request: EngineRequest, engine_media: Any, field: str) -> EngineRequest:
+    """`request` carrying its prompt's media for the engine. SEAM (issue 15, engine side): the engine's
+    EngineRequest field is ENGINE_MEDIA_FIELD; until the engine has it, a prompt whose processor made engine media
+    is UNIMPLEMENTED (naming `field`) rather than run without its media. None: nothing for the engine."""
+    if engine_media is None:
+        return request
+    if ENGINE_MEDIA_FIELD not in {f.name for f in fields(EngineRequest)}:
+        raise validation.RequestError(grpc.StatusCode.UNIMPLEMENTED, [validation.Violation(
+            field, "this server's engine does not run media items yet")])
+    return replace(request, **{ENGINE_MEDIA_FIELD: engine_media})
 
 
 class Frontend:
@@ -85,6 +105,36 @@ class Frontend:
     def client_of(self, context: grpc.aio.ServicerContext) -> str:
         """Who is calling: its API key's fingerprint (with --api-key-file), else its peer's address."""
         return auth.client_identity(context.invocation_metadata(), context.peer() or "", self.server_config.api_keys)
+
+    # ---- media -------------------------------------------------------------------------------------------------
+
+    def multimodal_processor(self) -> MultimodalProcessor | None:
+        """The loaded model's multimodal processor; None for a text-only model. SEAM (issue 15, model side): read
+        as the `multimodal` attribute of the engine the servicers hold (AsyncEngine, which takes it from the loaded
+        model as it takes the tokenizer)."""
+        return getattr(self.engine, "multimodal", None)
+
+    async def prepare_media(self, prompts: Sequence[Sequence[int]], items: Sequence[Sequence[ingest.WireItem]]
+                            ) -> list[MultimodalPrompt | None]:
+        """Each prompt with its media items placed by the model's processor (None for a prompt without items).
+        The items are checked first (modalities the model takes, --max-media-items), then read and decoded
+        (ingest.py), then handed to the processor in a worker thread. Every failure is a RequestError naming the
+        item (validation.media_error)."""
+        if not any(items):
+            return [None] * len(prompts)
+        processor = self.multimodal_processor()
+        info = self.engine.model_info
+        config = self.server_config.media
+        validation.check_media_items(items, processor.modalities if processor is not None else frozenset(),
+                                     info.architecture, config.max_media_items)
+        assert processor is not None, "check_media_items refuses media on a model without a processor"
+        model = ingest.ModelMedia(sampling_rate=processor.sampling_rate, hidden_size=info.hidden_size)
+        try:
+            media = await ingest.ingest(items, config, model)
+            return await asyncio.to_thread(
+                lambda: [processor.prepare(list(p), m) if m else None for p, m in zip(prompts, media, strict=True)])
+        except MediaError as exc:
+            raise validation.media_error(exc) from exc
 
     # ---- admission ---------------------------------------------------------------------------------------------
 

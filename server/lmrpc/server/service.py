@@ -1,4 +1,5 @@
-"""The grpc.aio servicer: protobuf <-> domain, streaming or merged outputs, cancel/deadline -> engine abort."""
+"""The grpc.aio servicer: protobuf <-> domain (media items placed in their prompts through the frontend), streaming
+or merged outputs, cancel/deadline -> engine abort."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import numpy as np
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
-from lmrpc.server.frontend import Frontend
+from lmrpc.server.frontend import Frontend, attach_media
 from lmrpc.server.lora.errors import AdapterError
 from lmrpc.server.lora.registry import AdapterInfo, LoadedAdapter
+from lmrpc.server.media import ingest
 from lmrpc.server.protocol import (
     EngineOutput,
     EngineRequest,
@@ -107,6 +109,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
     async def _build(self, req: generate_pb2.GenerateRequest, default_rid: str | None) -> list[EngineRequest]:
         validation.check_unbuilt(req)
         num_prompts = validation.check_shape(req)
+        validation.check_media_shape(req, num_prompts)
         info = self.engine.model_info
         hidden = validation.hidden_states_mode(req, info)
         routed_from = validation.routed_experts_from(req, info,
@@ -122,6 +125,10 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             prompts = [[EMBEDDING_PLACEHOLDER_ID] * e.num_positions for e in embeds if e is not None]
         else:
             prompts = [list(ids.ids) for ids in req.input_ids]
+        # Media items placed in their prompts: each prompt's ids with the placeholders expanded
+        media_items = ingest.generate_items(req, num_prompts)
+        placed = await self.frontend.prepare_media(prompts, media_items)
+        prompts = [list(mm.token_ids) if mm is not None else p for p, mm in zip(prompts, placed, strict=True)]
         given: list[str | None] = list(req.rid) or ([default_rid] if num_prompts == 1 else [None] * num_prompts)
         rids = [self.frontend.new_rid(rid) for rid in given]
         adapters = [await self._adapter(validation.lora_ref(req.lora_path, i), i) for i in range(num_prompts)]
@@ -155,16 +162,18 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 error = await asyncio.to_thread(self.engine.check_constraint, params.constraint)
                 if error is not None:
                     raise validation.invalid(f"{name}.{params.constraint.kind}", error)
+            mm = placed[i]
             for s in range(params.n):
                 request_id = rid if params.n == 1 else f"{rid}/{s}"
                 seed = None if params.seed is None else params.seed + s  # n seeded samples must differ
-                out.append(EngineRequest(
+                request = EngineRequest(
                     request_id=request_id, rid=rid, index=i * params.n + s, prompt_ids=tuple(prompt),
                     params=replace(params, seed=seed), logprobs=logprobs,
                     share_prefill_with=None if s == 0 else f"{rid}/0", adapter=adapter,
                     prompt_embeds=embeds[i],
                     hidden_states=hidden, routed_experts_from=routed_from,
-                ))
+                )
+                out.append(request if mm is None else attach_media(request, mm.engine_media, media_items[i][0].field))
         return out
 
     async def _adapter(self, ref: str, index: int) -> LoadedAdapter | None:

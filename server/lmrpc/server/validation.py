@@ -1,6 +1,8 @@
 """User-error rules and their one mapping to gRPC statuses. Rules collect typed violations; `to_status` maps them to a
 status with google.rpc.BadRequest field violations (INVALID_ARGUMENT; UNIMPLEMENTED for features not built yet;
-NOT_FOUND for an unknown model or LoRA adapter; PERMISSION_DENIED for an adapter path outside --lora-root;
+NOT_FOUND for an unknown model or LoRA adapter; PERMISSION_DENIED for an adapter path outside --lora-root, or a
+media URL or path the --allowed-media-domains/--allowed-local-media-path flags do not allow; UNAVAILABLE for a media
+URL that cannot be reached;
 ALREADY_EXISTS for an adapter name taken; RESOURCE_EXHAUSTED for LoadLoraAdapter while no adapter may be evicted)
 or a google.rpc.PreconditionFailure (FAILED_PRECONDITION).
 
@@ -22,6 +24,9 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from lmrpc.server.embeddings import prompt_embeddings
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
+from lmrpc.server.media.ingest import WireItem
+from lmrpc.server.media.sources import SourceError, SourceErrorKind
+from lmrpc.server.media.types import MediaError, Modality
 from lmrpc.server.protocol import Constraint, HiddenStatesMode, ModelInfo, PromptEmbeddings, SamplingParams
 from lmrpc.v1 import generate_pb2, openai_pb2
 
@@ -33,9 +38,13 @@ ExtrasRequest = Union[  # noqa: UP007 (runtime alias)
     generate_pb2.GenerateRequest, openai_pb2.CompleteRequest, openai_pb2.ChatCompleteRequest]
 MAX_TOP_LOGPROBS = 20
 # Request fields of features not built yet: using one is answered UNIMPLEMENTED, never ignored.
-UNBUILT_FIELDS = (
-    "image_data", "audio_data",
-)
+UNBUILT_FIELDS: tuple[str, ...] = ()
+_SOURCE_CODES = {
+    SourceErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    SourceErrorKind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
+    SourceErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+_MODALITY_NOUNS = {Modality.IMAGE: "images", Modality.AUDIO: "audio"}
 _ADAPTER_CODES = {
     AdapterErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     AdapterErrorKind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
@@ -154,6 +163,45 @@ def check_shape(req: generate_pb2.GenerateRequest) -> int:
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
     c.raise_if_any()
     return n
+
+
+def check_media_shape(req: generate_pb2.GenerateRequest, num_prompts: int) -> None:
+    """image_data and audio_data: none, one list for every prompt, or one per prompt; with text or input_ids."""
+    c = Collector()
+    for name in ("image_data", "audio_data"):
+        lists = len(getattr(req, name))
+        c.check(lists in (0, 1, num_prompts), name, f"give 0, 1 or one list per prompt ({num_prompts}), got {lists}")
+        c.check(not (lists and req.input_embeds), name,
+                "media items need text or input_ids prompts (their placeholders mark where the items go)")
+    c.raise_if_any()
+
+
+def check_media_items(prompts: Sequence[Sequence[WireItem]], modalities: frozenset[Modality], architecture: str,
+                      max_items: int) -> None:
+    """Each prompt's media items: of modalities the model takes (a text-only model takes none), at most
+    --max-media-items of them. Checked before anything is fetched or decoded."""
+    c = Collector()
+    named: set[str] = set()
+    for items in prompts:
+        for w in items:
+            if w.modality not in modalities and w.field not in named:
+                named.add(w.field)
+                takes = (" and ".join(sorted(_MODALITY_NOUNS[m] for m in modalities)) + " only") if modalities \
+                    else "text only"
+                c.check(False, w.field, f"this model ({architecture}) takes no {_MODALITY_NOUNS[w.modality]} "
+                                        f"({takes})")
+        if len(items) > max_items and items[max_items].field not in named:
+            named.add(items[max_items].field)
+            c.check(False, items[max_items].field, f"the prompt has {len(items)} media items; the server takes at "
+                                                   f"most {max_items} per prompt (--max-media-items)")
+    c.raise_if_any()
+
+
+def media_error(exc: MediaError) -> RequestError:
+    """A media item that cannot be used: INVALID_ARGUMENT naming it, or the status its source failure calls for
+    (PERMISSION_DENIED for a host or path the flags do not allow, UNAVAILABLE for an unreachable URL)."""
+    code = _SOURCE_CODES[exc.kind] if isinstance(exc, SourceError) else grpc.StatusCode.INVALID_ARGUMENT
+    return RequestError(code, [Violation(exc.field, exc.message)])
 
 
 def check_prompt_ids(c: Collector, ids: list[int], field: str, info: ModelInfo) -> None:

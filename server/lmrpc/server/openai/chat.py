@@ -1,18 +1,21 @@
-"""ChatComplete: a conversation rendered with the chat template and planned into engine requests (tools turned into
-a constraint), and the engine's outputs answered as OpenAI chat completions: the role first, then content deltas,
-then tool-call deltas, or one message with the whole answer."""
+"""ChatComplete: a conversation rendered with the chat template (media parts as the model's placeholders, the items
+placed by its processor) and planned into engine requests (tools turned into a constraint), and the engine's
+outputs answered as OpenAI chat completions: the role first, then content deltas, then tool-call deltas, or one
+message with the whole answer."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.frontend import Frontend, attach_media
+from lmrpc.server.media.types import Modality, MultimodalProcessor
 from lmrpc.server.openai import tools
 from lmrpc.server.openai import validation as rules
 from lmrpc.server.openai.chat_template import RESERVED_KWARGS, ChatTemplate
@@ -37,10 +40,12 @@ class ChatPlan:
     requests: tuple[EngineRequest, ...]  # the n choices
 
 
-async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, template: ChatTemplate, rid: str,
+async def plan(req: openai_pb2.ChatCompleteRequest, frontend: Frontend, template: ChatTemplate, rid: str,
                use_model_defaults: bool, capacity: int, routed_enabled: bool) -> ChatPlan:
-    """Check, render and tokenize; raises RequestError naming the field (FAILED_PRECONDITION without a template).
+    """Check, render and tokenize, and place the conversation's media parts (through the frontend's media path);
+    raises RequestError naming the field (FAILED_PRECONDITION without a template).
     routed_enabled: the server returns routed experts (--enable-return-routed-experts)."""
+    engine = frontend.engine
     info = engine.model_info
     outputs = rules.model_outputs(req, info, routed_enabled)
     adapter_ref, adapter_field = rules.check_model(req.model, info.served_model_name, req.lora_path)
@@ -48,9 +53,15 @@ async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, templat
     options = rules.chat_options(req, RESERVED_KWARGS)
     rules.check_capacity(options.n, capacity, "n")
     template.require()
+    media_items = rules.chat_media_items(req)
+    processor = frontend.multimodal_processor() if media_items else None
+    if media_items:  # a model that takes none of them is refused before anything is rendered or read
+        validation.check_media_items([media_items], processor.modalities if processor is not None else frozenset(),
+                                     info.architecture, frontend.server_config.media.max_media_items)
     rendered = await asyncio.to_thread(
         template.render, list(req.messages), options.tools, add_generation_prompt=options.add_generation_prompt,
-        continue_final_message=options.continue_final_message, template_kwargs=options.template_kwargs)
+        continue_final_message=options.continue_final_message, template_kwargs=options.template_kwargs,
+        placeholders=_placeholders(processor))
     if options.tool_mode == "auto" and not rendered.tool_format_known:
         raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
             "tool_choice", 'the chat template writes tool calls in a format this server does not parse (it parses '
@@ -58,6 +69,9 @@ async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, templat
     tokenizer = engine.tokenizer
     # The template spells out the special tokens it wants (BOS included): add none.
     prompt = tuple(await asyncio.to_thread(tokenizer.encode, rendered.text, add_special_tokens=False))
+    [placed] = await frontend.prepare_media([prompt], [media_items])
+    if placed is not None:
+        prompt = placed.token_ids
     rules.check_prompt(list(prompt), "messages", info, req)
     constraint = options.constraint or _tool_constraint(options)
     max_tokens, max_field = rules.chat_max_tokens(req, info)
@@ -74,9 +88,22 @@ async def plan(req: openai_pb2.ChatCompleteRequest, engine: AsyncEngine, templat
             raise validation.invalid(constraint.field, error)
     logprobs = LogprobOptions(top_k=options.logprobs) if options.logprobs is not None else None
     requests = engine_requests(rid, [prompt], [params], options.n, logprobs, adapter, outputs)
+    if placed is not None:
+        requests = [attach_media(r, placed.engine_media, media_items[0].field) for r in requests]
     model = req.model if adapter else info.served_model_name  # "base:adapter" is answered as asked
     return ChatPlan(id=f"chatcmpl-{rid}", created=int(time.time()), model=model, options=options,
                     prompt=prompt, requests=tuple(requests))
+
+
+def _placeholders(processor: MultimodalProcessor | None) -> dict[str, str] | None:
+    """The model's placeholder text per media part type, for templates that render content as text only. Read
+    from the processor's optional `placeholders` (Modality -> text, e.g. Qwen2-VL's image:
+    "<|vision_start|><|image_pad|><|vision_end|>"); None when it names none."""
+    named: Mapping[Modality, str] | None = getattr(processor, "placeholders", None)
+    if not named:
+        return None
+    by_part = {"image_url": Modality.IMAGE, "input_audio": Modality.AUDIO}
+    return {part: named[m] for part, m in by_part.items() if m in named}
 
 
 def _tool_constraint(options: rules.ChatOptions) -> rules.ConstraintRequest | None:

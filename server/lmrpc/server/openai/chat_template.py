@@ -5,6 +5,11 @@ with --chat-template FILE. Rendering is transformers' own apply_chat_template (t
 helpers every template is written against), so a prompt is exactly what the tokenizer would make of the same
 messages. Tools are handed to the template; a template that does not render them gets them described in a system
 message in the Hermes format instead (see tools.py), so that the model knows what it may call.
+
+Media parts (image_url, input_audio): a template that renders content given as a list of parts (as multimodal
+models' templates do, like transformers' processors' apply_chat_template) gets {"type": "image"} / {"type":
+"audio"} parts where they stand and writes the model's placeholder itself; a template that renders content as a
+string gets the model's placeholder text in the part's place instead (the processor's `placeholders`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from lmrpc.server.openai.validation import ToolSpec
 from lmrpc.v1 import openai_pb2
 
 Message = dict[str, Any]  # one message as templates read it: OpenAI's JSON form
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio"}  # content part type -> the part templates read
+_PROBE = "\x1flmrpc-probe\x1f"  # text no conversation holds: finds whether a template renders content lists
 # Names chat_template_kwargs may not use: apply_chat_template's own parameters.
 # "messages" is what transformers hands the template the conversation as.
 RESERVED_KWARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
@@ -49,6 +56,20 @@ class ChatTemplate:
         if isinstance(source, Mapping):
             source = source.get("default")
         self.source: str | None = source if isinstance(source, str) and source.strip() else None
+        self._renders_parts: bool | None = None  # whether the template renders content lists (probed once)
+
+    def renders_parts(self) -> bool:
+        """Whether the template renders a message whose content is a list of parts (text parts' text written, not
+        the list's repr). Probed once with one text part (blocking)."""
+        if self._renders_parts is None:
+            probe: list[Message] = [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
+            try:
+                text = self._tokenizer.apply_chat_template(probe, chat_template=self.require(), tokenize=False)
+            except (jinja2.TemplateError, ValueError, TypeError):
+                text = ""
+            self._renders_parts = isinstance(text, str) and _PROBE in text and "'text'" not in text \
+                and '"text"' not in text
+        return self._renders_parts
 
     def require(self) -> str:
         if self.source is None:
@@ -59,11 +80,23 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[openai_pb2.ChatMessage], tools: Sequence[ToolSpec], *,
                add_generation_prompt: bool, continue_final_message: bool,
-               template_kwargs: Mapping[str, Any]) -> Rendered:
+               template_kwargs: Mapping[str, Any], placeholders: Mapping[str, str] | None = None) -> Rendered:
         """Render the conversation (blocking: call it off the event loop). A template error is INVALID_ARGUMENT
-        naming messages, with the template's message."""
+        naming messages, with the template's message. placeholders: the model's placeholder text per media part
+        type ("image_url", "input_audio"), for a template that renders content as a string only; such a template
+        and a conversation with a media part the model names no placeholder for: FAILED_PRECONDITION."""
         source = self.require()
-        conversation = [template_message(m) for m in messages]
+        used = {p.type for m in messages for p in m.content_parts if p.type in MEDIA_PARTS}
+        as_text: Mapping[str, str] | None = None
+        if used and not self.renders_parts():
+            missing = sorted(used - set(placeholders or {}))
+            if missing:
+                raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
+                    "chat_template", f"the chat template renders message content as text only and the model names "
+                                     f"no placeholder text for {' or '.join(missing)} parts; start the server with a "
+                                     "--chat-template that renders content lists")])
+            as_text = placeholders
+        conversation = [template_message(m, as_text) for m in messages]
         tool_dicts: list[dict[Any, Any] | Callable[..., Any]] | None = [_tool_dict(t) for t in tools] or None
 
         def run(conv: list[Message], with_tools: list[dict[Any, Any] | Callable[..., Any]] | None) -> str:
@@ -79,7 +112,7 @@ class ChatTemplate:
             text = run(conversation, tool_dicts)
             if text != run(conversation, None):  # the template renders tools itself
                 return Rendered(text, tool_format_known=tool_calls.CALL_BEGIN in source)
-            described = described_tools(messages, tools)
+            described = described_tools(messages, tools, as_text)
             return Rendered(run(described, None), tool_format_known=True)
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             # What a template (or transformers around it) raises on a conversation it cannot render: the template's
@@ -88,10 +121,21 @@ class ChatTemplate:
             raise validation.invalid("messages", f"the chat template cannot render them: {exc}") from exc
 
 
-def template_message(m: openai_pb2.ChatMessage) -> Message:
+def template_message(m: openai_pb2.ChatMessage, placeholders: Mapping[str, str] | None = None) -> Message:
     """A message in OpenAI's JSON form, as templates expect it: content a string (text parts joined with "\\n"),
-    tool calls' arguments as objects (templates write them with tojson)."""
-    content = m.content if m.HasField("content") else "\n".join(p.text for p in m.content_parts)
+    tool calls' arguments as objects (templates write them with tojson). A message with media parts: with
+    `placeholders` (part type -> the model's placeholder text), each part's placeholder joined in its place; without,
+    content as a list of parts ({"type": "text", "text": ...}, {"type": "image"}, {"type": "audio"})."""
+    content: str | list[dict[str, str]]
+    media = any(p.type in MEDIA_PARTS for p in m.content_parts)
+    if m.HasField("content"):
+        content = m.content
+    elif media and placeholders is None:
+        content = [{"type": MEDIA_PARTS[p.type]} if p.type in MEDIA_PARTS else {"type": "text", "text": p.text}
+                   for p in m.content_parts]
+    else:
+        content = "\n".join(placeholders[p.type] if placeholders is not None and p.type in MEDIA_PARTS else p.text
+                            for p in m.content_parts)
     message: Message = {"role": m.role, "content": content}
     if m.name:
         message["name"] = m.name
@@ -105,11 +149,12 @@ def template_message(m: openai_pb2.ChatMessage) -> Message:
     return message
 
 
-def described_tools(messages: Sequence[openai_pb2.ChatMessage], tools: Sequence[ToolSpec]) -> list[Message]:
+def described_tools(messages: Sequence[openai_pb2.ChatMessage], tools: Sequence[ToolSpec],
+                    placeholders: Mapping[str, str] | None = None) -> list[Message]:
     """The conversation for a template that ignores tools: the tools described in the system message (appended to
     the first one, or a new one first), and past calls written into their messages' content in the same format."""
     prompt = tool_calls.hermes_system_prompt(tools)
-    conversation = [template_message(m) for m in messages]
+    conversation = [template_message(m, placeholders) for m in messages]
     for message, m in zip(conversation, messages, strict=True):
         if m.tool_calls:
             calls = "\n".join(tool_calls.hermes_call_text(c.function.name, c.function.arguments) for c in m.tool_calls)

@@ -81,7 +81,7 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
 
         async def build(rid: str) -> chat.ChatPlan:
             template, _ = self._model_parts()
-            return await chat.plan(request, self.frontend.engine, template, rid, self._model_defaults,
+            return await chat.plan(request, self.frontend, template, rid, self._model_defaults,
                                    self._capacity, self._routed_enabled)
 
         def answer(plan: chat.ChatPlan,

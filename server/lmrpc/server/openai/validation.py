@@ -14,6 +14,8 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 from lmrpc.server import validation
+from lmrpc.server.media.ingest import WireItem
+from lmrpc.server.media.types import Modality
 from lmrpc.server.protocol import ConstraintKind, HiddenStatesMode, ModelInfo
 from lmrpc.server.validation import Collector, RequestError, Violation
 from lmrpc.v1 import generate_pb2, openai_pb2
@@ -23,6 +25,8 @@ ToolMode = Literal["none", "auto", "required", "function"]
 
 COMPLETE_MAX_TOKENS = 16  # OpenAI's default for completions; chat's default is what the context leaves
 ROLES = ("system", "user", "assistant", "tool")
+PART_TYPES = ("text", "image_url", "input_audio")
+AUDIO_FORMATS = ("wav", "mp3", "flac")  # input_audio.format
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # SamplingParams fields whose OpenAI names differ (the rest are spelled alike).
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -298,6 +302,21 @@ def chat_options(req: openai_pb2.ChatCompleteRequest, template_parameters: froze
     )
 
 
+def chat_media_items(req: openai_pb2.ChatCompleteRequest) -> list[WireItem]:
+    """The conversation's image_url and input_audio parts as media items, in message order (checked by
+    chat_options); input_audio's base64 becomes a data: URI, read as any other."""
+    items: list[WireItem] = []
+    for i, message in enumerate(req.messages):
+        for j, part in enumerate(message.content_parts):
+            at = f"messages[{i}].content_parts[{j}]"
+            if part.type == "image_url":
+                items.append(WireItem(Modality.IMAGE, at, generate_pb2.MediaItem(url=part.image_url.url)))
+            elif part.type == "input_audio":
+                uri = f"data:audio/{part.input_audio.format};base64,{part.input_audio.data}"
+                items.append(WireItem(Modality.AUDIO, at, generate_pb2.MediaItem(url=uri)))
+    return items
+
+
 def chat_max_tokens(req: openai_pb2.ChatCompleteRequest, info: ModelInfo) -> tuple[int, str]:
     """(max tokens, the field that set it); unset: the whole context (resolve_sampling caps it to what is left)."""
     if req.HasField("max_completion_tokens"):
@@ -312,10 +331,14 @@ def _check_message(c: Collector, at: str, m: openai_pb2.ChatMessage) -> None:
     c.check(not (m.HasField("content") and m.content_parts), f"{at}.content_parts", "not with content")
     for j, part in enumerate(m.content_parts):
         where = f"{at}.content_parts[{j}]"
+        c.check(part.type in PART_TYPES, f"{where}.type",
+                f'must be "text", "image_url" or "input_audio", got {part.type!r}')
         if part.type == "image_url":
-            raise RequestError(grpc.StatusCode.UNIMPLEMENTED,
-                               [Violation(f"{where}.image_url", "image input is not supported yet by this server")])
-        c.check(part.type == "text", f"{where}.type", f'must be "text" or "image_url", got {part.type!r}')
+            c.check(bool(part.image_url.url), f"{where}.image_url.url", "required for an image_url part")
+        if part.type == "input_audio":
+            c.check(bool(part.input_audio.data), f"{where}.input_audio.data", "required for an input_audio part")
+            c.check(part.input_audio.format in AUDIO_FORMATS, f"{where}.input_audio.format",
+                    f'must be "wav", "mp3" or "flac", got {part.input_audio.format!r}')
     c.check(not m.tool_calls or m.role == "assistant", f"{at}.tool_calls", "only in assistant messages")
     for j, call in enumerate(m.tool_calls):
         where = f"{at}.tool_calls[{j}]"

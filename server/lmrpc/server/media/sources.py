@@ -1,0 +1,193 @@
+"""Where a media item's encoded bytes come from: the request's own bytes, a base64 `data:` URI, an http(s) URL
+(fetched with a time limit, a size limit enforced while streaming, redirects re-checked against the allowed hosts),
+or a `file://` URL / plain path confined to --allowed-local-media-path. Each failure is a `SourceError` naming the
+item's wire field, with the status kind it calls for (see `SourceErrorKind`). No decoding here (decode.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import enum
+import os
+import urllib.parse
+from pathlib import Path
+
+import httpx2
+
+from lmrpc.server.config import MediaConfig
+from lmrpc.server.media.types import MediaError
+
+MAX_REDIRECTS = 5  # redirects one fetch follows, each re-checked against --allowed-media-domains
+CHUNK = 64 * 1024  # bytes read at a time from a file
+
+
+class SourceErrorKind(enum.Enum):
+    """Which status a source failure is answered with."""
+
+    INVALID = "INVALID_ARGUMENT"  # the item itself is wrong: bad base64, too large, an HTTP error status
+    PERMISSION = "PERMISSION_DENIED"  # a host or path the server's flags do not allow
+    UNAVAILABLE = "UNAVAILABLE"  # the URL could not be reached in time (connection refused, timeout, 5xx)
+
+
+class SourceError(MediaError):
+    """A media item whose bytes cannot be had; `kind` says which status (MediaError alone: INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str, kind: SourceErrorKind = SourceErrorKind.INVALID) -> None:
+        super().__init__(field, message)
+        self.kind = kind
+
+
+def check_size(size: int, field: str, config: MediaConfig) -> None:
+    if size > config.max_media_bytes:
+        raise SourceError(field, f"is {size} bytes; the server takes at most {config.max_media_bytes} per item "
+                                 "(--max-media-bytes)")
+
+
+def is_local(url: str) -> bool:
+    """A file:// URL or a plain path (anything without a scheme we fetch or decode)."""
+    return urllib.parse.urlsplit(url).scheme.lower() in ("file", "")
+
+
+def read_data_uri(url: str, field: str, config: MediaConfig) -> bytes:
+    """data:[<mediatype>][;base64],<data> -> the bytes (base64 only: media is binary)."""
+    header, comma, payload = url.partition(",")
+    if not comma:
+        raise SourceError(field, "is a data: URI without a comma before its data")
+    if not header.lower().endswith(";base64"):
+        raise SourceError(field, "is a data: URI that is not base64 (write data:<type>;base64,<data>)")
+    # base64 is 4 characters per 3 bytes: refuse an oversized payload before decoding it
+    check_size(len(payload) // 4 * 3, field, config)
+    try:
+        data = base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:  # (ValueError: non-ASCII text)
+        raise SourceError(field, f"is a data: URI whose base64 does not decode: {exc}") from exc
+    check_size(len(data), field, config)
+    return data
+
+
+def decode_base64(text: str, field: str, config: MediaConfig) -> bytes:
+    """Plain base64 text (ChatComplete's input_audio.data) -> bytes."""
+    return read_data_uri(f"data:;base64,{text}", field, config)
+
+
+def local_path(url: str, field: str, config: MediaConfig) -> Path:
+    """The real path a file:// URL or plain path names, if it lies under --allowed-local-media-path (symlinks and ..
+    resolved on both sides first); else PERMISSION_DENIED."""
+    root = config.allowed_local_media_path
+    if root is None:
+        raise SourceError(field, "names a local file; this server reads none (start it with "
+                                 "--allowed-local-media-path DIR)", SourceErrorKind.PERMISSION)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise SourceError(field, f"file:// URL names host {parts.netloc!r}; only local files are read",
+                              SourceErrorKind.PERMISSION)
+        raw = urllib.parse.unquote(parts.path)
+    else:
+        raw = url
+    real_root = Path(root).resolve()
+    path = Path(raw) if os.path.isabs(raw) else real_root / raw
+    real = path.resolve()  # follows every symlink, folds ..
+    if not real.is_relative_to(real_root):
+        raise SourceError(field, f"{url!r} is outside the server's --allowed-local-media-path",
+                          SourceErrorKind.PERMISSION)
+    return real
+
+
+def read_local(url: str, field: str, config: MediaConfig) -> bytes:
+    """A confined local file's bytes, read up to the size limit (blocking: call it off the event loop)."""
+    path = local_path(url, field, config)
+    try:
+        with path.open("rb") as f:
+            data = f.read(config.max_media_bytes + 1)
+    except FileNotFoundError as exc:
+        raise SourceError(field, f"{url!r}: no such file") from exc
+    except IsADirectoryError as exc:
+        raise SourceError(field, f"{url!r} is a directory") from exc
+    except OSError as exc:
+        raise SourceError(field, f"{url!r} cannot be read: {exc.strerror or exc}") from exc
+    if len(data) > config.max_media_bytes:
+        raise SourceError(field, f"{url!r} is larger than {config.max_media_bytes} bytes (--max-media-bytes)")
+    return data
+
+
+def check_host(url: httpx2.URL, field: str, config: MediaConfig) -> None:
+    """An http(s) URL whose host --allowed-media-domains lets the server fetch."""
+    if url.scheme not in ("http", "https"):
+        raise SourceError(field, f"URL scheme {url.scheme!r} is not fetched (http, https, data: or a local path)",
+                          SourceErrorKind.PERMISSION if url.scheme else SourceErrorKind.INVALID)
+    allowed = config.allowed_media_domains
+    host = url.host.lower().rstrip(".")
+    if allowed is not None and host not in {d.lower().rstrip(".") for d in allowed}:
+        raise SourceError(field, f"host {host!r} is not among the server's --allowed-media-domains",
+                          SourceErrorKind.PERMISSION)
+
+
+async def fetch(url: str, field: str, config: MediaConfig, client: httpx2.AsyncClient) -> bytes:
+    """An http(s) URL's body, within --media-fetch-timeout (all redirects included) and --max-media-bytes (the
+    download stops once past it)."""
+    try:
+        return await asyncio.wait_for(_fetch(url, field, config, client), config.media_fetch_timeout)
+    except asyncio.TimeoutError as exc:
+        raise SourceError(field, f"fetching {url!r} took longer than {config.media_fetch_timeout:g} s "
+                                 "(--media-fetch-timeout)", SourceErrorKind.UNAVAILABLE) from exc
+
+
+async def _fetch(url: str, field: str, config: MediaConfig, client: httpx2.AsyncClient) -> bytes:
+    try:
+        current = httpx2.URL(url)
+    except httpx2.InvalidURL as exc:
+        raise SourceError(field, f"is not a valid URL: {exc}") from exc
+    for _ in range(MAX_REDIRECTS + 1):
+        check_host(current, field, config)
+        try:
+            async with client.stream("GET", current, follow_redirects=False) as response:
+                if response.is_redirect:
+                    location = response.headers.get("location")
+                    if not location:
+                        raise SourceError(field, f"{str(current)!r} answered {response.status_code} without a "
+                                                 "Location")
+                    current = current.join(location)
+                    continue
+                if response.status_code >= 400:
+                    kind = SourceErrorKind.UNAVAILABLE if response.status_code >= 500 else SourceErrorKind.INVALID
+                    raise SourceError(field, f"fetching {str(current)!r} answered {response.status_code} "
+                                             f"{response.reason_phrase}", kind)
+                declared = response.headers.get("content-length")
+                if declared is not None and declared.isdigit():
+                    check_size(int(declared), field, config)
+                body = bytearray()
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > config.max_media_bytes:
+                        raise SourceError(field, f"{str(current)!r} is larger than {config.max_media_bytes} bytes "
+                                                 "(--max-media-bytes)")
+                return bytes(body)
+        except httpx2.TimeoutException as exc:
+            raise SourceError(field, f"fetching {str(current)!r} timed out: {exc or type(exc).__name__}",
+                              SourceErrorKind.UNAVAILABLE) from exc
+        except httpx2.TransportError as exc:  # connection refused, DNS, TLS, a reset
+            raise SourceError(field, f"{str(current)!r} is unreachable: {exc or type(exc).__name__}",
+                              SourceErrorKind.UNAVAILABLE) from exc
+        except httpx2.InvalidURL as exc:
+            raise SourceError(field, f"redirected to an invalid URL: {exc}") from exc
+    raise SourceError(field, f"{url!r} redirected more than {MAX_REDIRECTS} times")
+
+
+async def read_url(url: str, field: str, config: MediaConfig, client: httpx2.AsyncClient | None) -> bytes:
+    """Any url a MediaItem may carry -> its encoded bytes (`client`: for http(s) URLs; new_client's)."""
+    if url[:5].lower() == "data:":
+        return read_data_uri(url, field, config)
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme in ("http", "https"):
+        assert client is not None, "the caller makes a client for requests with http(s) URLs"
+        return await fetch(url, field, config, client)
+    if is_local(url):
+        return await asyncio.to_thread(read_local, url, field, config)
+    raise SourceError(field, f"URL scheme {scheme!r} is not read (http, https, data:, file:// or a path)")
+
+
+def new_client(config: MediaConfig) -> httpx2.AsyncClient:
+    """The HTTP client of one request's fetches (redirects followed by hand, so each is checked)."""
+    return httpx2.AsyncClient(follow_redirects=False, timeout=httpx2.Timeout(config.media_fetch_timeout))
