@@ -17,8 +17,7 @@ from lmrpc.v1 import openai_pb2, openai_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
-INVALID, UNIMPLEMENTED, NOT_FOUND = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED,
-                                     grpc.StatusCode.NOT_FOUND)
+INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 SERVED = "SmolLM2-135M-Instruct"
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 HI = [{"role": "user", "content": "Hi"}]
@@ -85,9 +84,15 @@ CHAT_CASES: dict[str, tuple[dict[str, Any], grpc.StatusCode, str]] = {
         {"type": "text", "text": "b"}]}]}, INVALID, "messages[0].content_parts"),
     "part type": ({"messages": [{"role": "user", "content_parts": [{"type": "audio"}]}]}, INVALID,
                   "messages[0].content_parts[0].type"),
-    "image part": ({"messages": [{"role": "user", "content_parts": [
-        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, UNIMPLEMENTED,
-        "messages[0].content_parts[0].image_url"),
+    "image part on a text-only model": ({"messages": [{"role": "user", "content_parts": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, INVALID,
+        "messages[0].content_parts[0]"),
+    "audio part on a text-only model": ({"messages": [{"role": "user", "content_parts": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}, INVALID,
+        "messages[0].content_parts[0]"),
+    "audio format": ({"messages": [{"role": "user", "content_parts": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "ogg"}}]}]}, INVALID,
+        "messages[0].content_parts[0].input_audio.format"),
     "tool message without id": ({"messages": [*HI, {"role": "tool", "content": "22C"}]}, INVALID,
                                 "messages[1].tool_call_id"),
     "tool_calls in a user message": ({"messages": [{"role": "user", "content": "Hi", "tool_calls": [

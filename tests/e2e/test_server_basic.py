@@ -84,15 +84,18 @@ def test_invalid_argument_names_field_and_server_keeps_serving(client: Client) -
 
 
 @pytest.mark.parametrize("field", ["image_data", "audio_data"])
-def test_unbuilt_features_are_unimplemented_not_ignored(server, field: str) -> None:
+def test_media_on_the_text_only_model_is_refused_naming_the_item(server, field: str) -> None:
+    """SmolLM2 takes text only: an image or audio item is INVALID_ARGUMENT naming it, before anything is fetched
+    (the URL is never read: example.com is not reachable from here)."""
     request = generate_pb2.GenerateRequest(text=["hi"])
     getattr(request, field).add().items.add().url = "https://example.com/x"
     with grpc.insecure_channel(server.target) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(request))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert field in (err.value.details() or "")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{field}[0].items[0]" in (err.value.details() or "")
+    assert "takes no" in (err.value.details() or "")
 
 
 def test_input_embeds_are_checked_against_the_served_model(server) -> None:
