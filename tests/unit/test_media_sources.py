@@ -119,9 +119,11 @@ async def test_redirect_loop_ends(web: Loopback) -> None:
     assert err.kind is SourceErrorKind.INVALID and "redirected more than" in err.message
 
 
-async def test_other_schemes_are_refused() -> None:
+async def test_other_schemes_and_hostless_urls_are_refused() -> None:
     err = await refused("ftp://example.com/a.png")
     assert "ftp" in err.message
+    err = await refused("http:///a.png")
+    assert err.kind is SourceErrorKind.INVALID and "names no host" in err.message
 
 
 # ---- local paths --------------------------------------------------------------------------------------------------
@@ -154,6 +156,16 @@ async def test_symlink_escaping_the_root_is_permission_denied(root: Path) -> Non
     os.symlink(root.parent / "secret.png", root / "link.png")
     err = await refused(str(root / "link.png"), MediaConfig(allowed_local_media_path=str(root)))
     assert err.kind is SourceErrorKind.PERMISSION
+    os.symlink(root / "a.png", root / "inside.png")  # a link that stays inside is read
+    assert await read(str(root / "inside.png"), MediaConfig(allowed_local_media_path=str(root))) == PNG
+
+
+async def test_odd_paths_are_invalid_not_errors(root: Path) -> None:
+    config = MediaConfig(allowed_local_media_path=str(root))
+    os.symlink(root / "loop", root / "loop")
+    for url in ("a\x00.png", str(root / "loop")):
+        err = await refused(url, config)
+        assert err.kind in (SourceErrorKind.INVALID, SourceErrorKind.PERMISSION), url
 
 
 async def test_no_root_configured_reads_no_file(root: Path) -> None:

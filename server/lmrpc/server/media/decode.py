@@ -20,7 +20,7 @@ from PIL import Image, UnidentifiedImageError
 
 from lmrpc.server.media.types import MediaError
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # (JPEG covers MPO, the multi-picture JPEG cameras write: its first picture)
 AUDIO_FORMATS = {"WAV": "WAV", "WAVEX": "WAV", "FLAC": "FLAC", "MP3": "MP3"}  # libsndfile's name -> ours
 TENSOR_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8", "int32": "<i4"}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")

@@ -86,9 +86,14 @@ def local_path(url: str, field: str, config: MediaConfig) -> Path:
         raw = urllib.parse.unquote(parts.path)
     else:
         raw = url
+    if "\x00" in raw:
+        raise SourceError(field, "a path must not contain NUL characters")
     real_root = Path(root).resolve()
     path = Path(raw) if os.path.isabs(raw) else real_root / raw
-    real = path.resolve()  # follows every symlink, folds ..
+    try:
+        real = path.resolve()  # follows every symlink, folds ..
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise SourceError(field, f"{url!r} cannot be resolved: {exc}") from exc
     if not real.is_relative_to(real_root):
         raise SourceError(field, f"{url!r} is outside the server's --allowed-local-media-path",
                           SourceErrorKind.PERMISSION)
@@ -119,6 +124,8 @@ def check_host(url: httpx2.URL, field: str, config: MediaConfig) -> None:
                           SourceErrorKind.PERMISSION if url.scheme else SourceErrorKind.INVALID)
     allowed = config.allowed_media_domains
     host = url.host.lower().rstrip(".")
+    if not host:
+        raise SourceError(field, f"URL {str(url)!r} names no host")
     if allowed is not None and host not in {d.lower().rstrip(".") for d in allowed}:
         raise SourceError(field, f"host {host!r} is not among the server's --allowed-media-domains",
                           SourceErrorKind.PERMISSION)
