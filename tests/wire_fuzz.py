@@ -41,8 +41,8 @@ MEANINGFUL = ("", " ", "user", "assistant", "system", "tool", "function", "auto"
               "Hello", "The capital of France is", "x" * 300)
 
 
-# Fields that mostly end a request early (unbuilt features: UNIMPLEMENTED; a model name: NOT_FOUND; embeddings of a
-# random width: INVALID_ARGUMENT) are set rarely, so that
+# Fields that mostly end a request early (media on the text-only model, embeddings of a random width:
+# INVALID_ARGUMENT; a model name: NOT_FOUND) are set rarely, so that
 # most requests get past them to the rules and the engine behind.
 RARE_FIELDS = frozenset({"input_embeds", "image_data", "audio_data", "lora_path", "return_hidden_states",
                          "return_routed_experts", "model", "custom_logit_processor"})
