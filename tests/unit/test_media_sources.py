@@ -190,3 +190,17 @@ def test_config_checks_its_flags(tmp_path: Path) -> None:
         MediaConfig(media_fetch_timeout=0)
     with pytest.raises(ValueError, match="max_media_items"):
         MediaConfig(max_media_items=0)
+
+
+def test_media_flags_become_the_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lmrpc.server.__main__ import parse_args, server_config
+
+    media = server_config(parse_args(["--allowed-media-domains", "a.example", "b.example",
+                                      "--allowed-local-media-path", str(tmp_path), "--max-media-items", "3"])).media
+    assert media.allowed_media_domains == ("a.example", "b.example") and media.max_media_items == 3
+    assert media.allowed_local_media_path == str(tmp_path)
+    assert server_config(parse_args([])).media == MediaConfig()  # defaults: any host, no local files
+    assert server_config(parse_args(["--allowed-media-domains"])).media.allowed_media_domains == ()
+    with pytest.raises(SystemExit) as exit_:
+        server_config(parse_args(["--max-audio-seconds", "0"]))
+    assert exit_.value.code == 2 and "--max-audio-seconds" in capsys.readouterr().err

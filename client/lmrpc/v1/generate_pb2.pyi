@@ -389,7 +389,8 @@ class MediaItem(_message.Message):
     url: _builtins.str
     """Where the server reads the encoded file: an http(s) URL (fetched with the server's --media-fetch-timeout and
     --max-media-bytes, only from --allowed-media-domains when that flag is given; redirects re-checked; an
-    unreachable URL is UNAVAILABLE, an error status INVALID_ARGUMENT, both with the cause), a data: URI
+    unreachable or slow URL or a 5xx answer is UNAVAILABLE, a 4xx answer INVALID_ARGUMENT, each with the
+    cause), a data: URI
     (data:image/png;base64,...; base64 only), or a file:// URL or plain path, read only from under
     --allowed-local-media-path (symlinks and .. resolved first; elsewhere, or without the flag,
     PERMISSION_DENIED).
