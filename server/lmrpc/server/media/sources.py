@@ -196,5 +196,7 @@ async def read_url(url: str, field: str, config: MediaConfig, client: httpx2.Asy
 
 
 def new_client(config: MediaConfig) -> httpx2.AsyncClient:
-    """The HTTP client of one request's fetches (redirects followed by hand, so each is checked)."""
-    return httpx2.AsyncClient(follow_redirects=False, timeout=httpx2.Timeout(config.media_fetch_timeout))
+    """The HTTP client of one request's fetches (redirects followed by hand, so each is checked). Bodies are asked
+    for uncompressed: the size limit then counts what was sent (a compressed body is still counted as it inflates)."""
+    return httpx2.AsyncClient(follow_redirects=False, timeout=httpx2.Timeout(config.media_fetch_timeout),
+                              headers={"accept-encoding": "identity"})
