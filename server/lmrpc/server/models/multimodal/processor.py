@@ -103,6 +103,10 @@ class MediaPromptProcessor:
                 raise MediaError(item.wire_field, f"audio at {item.sampling_rate} Hz; this model takes "
                                                   f"{self.sampling_rate} Hz")
             kwargs["sampling_rate"] = self.sampling_rate
+            longest = getattr(getattr(self._hf, "feature_extractor", None), "n_samples", None)
+            if longest is not None and data is not None and len(data) > longest:  # the processor would cut it
+                seconds = longest / self.sampling_rate
+                raise MediaError(item.wire_field, f"the clip is longer than this model's {seconds:g} seconds")
         with self._lock:
             result = self._hf(**kwargs)
         inputs = {k: np.asarray(v) for k, v in result.items() if k not in TEXT_OUTPUTS}
