@@ -104,7 +104,7 @@ class MediaPromptProcessor:
                                                   f"{self.sampling_rate} Hz")
             kwargs["sampling_rate"] = self.sampling_rate
             longest = getattr(getattr(self._hf, "feature_extractor", None), "n_samples", None)
-            if longest is not None and data is not None and len(data) > longest:  # the processor would cut it
+            if longest is not None and item.audio is not None and len(item.audio) > longest:  # the processor cuts it
                 seconds = longest / self.sampling_rate
                 raise MediaError(item.wire_field, f"the clip is longer than this model's {seconds:g} seconds")
         with self._lock:
