@@ -12,15 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from inprocess_service import engine_config, served
 from multimodal_run import executor_logits, hf_reference, image, request, run, start
 from transformers import LlavaForConditionalGeneration
 
 from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.media.types import Media, MediaError, Modality, MultimodalProcessor
 from lmrpc.server.models.loader import LoadedModel, load_model
 from lmrpc.server.models.multimodal.llava import LlavaLM
 from lmrpc.server.protocol import PromptMedia
+from lmrpc.v1 import generate_pb2
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native model path")
 
@@ -149,3 +152,20 @@ def test_sixteen_greedy_tokens_equal_transformers(tiny_llava_dir: Path, processo
         engine.shutdown()
     assert list(got.tokens) == expected
     assert got.cached_tokens == 0
+
+
+async def test_served_like_any_checkpoint(tiny_llava_dir: Path) -> None:
+    """`--model DIR` of a LLaVA checkpoint: the services answer from the text side; a text prompt generates."""
+    config = engine_config(str(tiny_llava_dir), "float32")
+    engine = AsyncEngine.start(config)
+    try:
+        assert engine.media_processor is not None
+        async with served(engine, config) as stub:
+            info = await stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+            assert info.architecture == "LlavaForConditionalGeneration" and info.vocab_size == 49216
+            req = generate_pb2.GenerateRequest(text=["Hello there"], sampling_params=[generate_pb2.SamplingParams(
+                max_new_tokens=4, temperature=0.0, ignore_eos=True)])
+            [msg] = [m async for m in stub.Generate(req)]
+            assert len(msg.token_ids) == 4
+    finally:
+        engine.shutdown()

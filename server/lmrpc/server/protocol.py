@@ -132,7 +132,7 @@ class PromptEmbeddings:
         assert len(self.position_keys) == self.num_positions
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity-compared: encoder_input holds arrays, which have no plain ==
 class MediaSpan:
     """One image or audio clip placed in a prompt: the positions it fills and what gives their rows."""
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoProcessor, PretrainedConfig
 
-from lmrpc.server.media.types import Modality
+from lmrpc.server.media.types import Media, Modality
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.quantized import LinearBuilder
 from lmrpc.server.models.weights import Matrix, WeightSource
@@ -71,11 +71,12 @@ def load_module(module: nn.Module, weights: WeightSource, prefixes: tuple[str, .
     raise KeyError(f"the checkpoint has no {type(module).__name__} weights under any of {prefixes}")
 
 
-def span_key(digest: bytes, count: int, inputs: EncoderInput | None) -> bytes:
-    """An item's cache identity (MediaSpan.key): its media digest, how many positions it fills, and the shapes of
-    its encoder's tensors (a resize option that changes the rows changes them), so equal keys mean equal rows."""
+def span_key(media: Media, count: int, inputs: EncoderInput | None) -> bytes:
+    """An item's cache identity (MediaSpan.key): its media digest, its options, how many positions it fills and the
+    shapes of its encoder's tensors (a resize that changes the rows changes them), so equal keys mean equal rows."""
     shapes = b"" if inputs is None else repr(sorted((k, v.shape) for k, v in inputs.items())).encode()
-    return hashlib.blake2b(digest + count.to_bytes(4, "little") + shapes, digest_size=16).digest()
+    extra = repr(media.options).encode() + count.to_bytes(4, "little") + shapes
+    return hashlib.blake2b(media.digest + extra, digest_size=16).digest()
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ class MediaPromptProcessor:
             count = self._family.count_positions(self._config, item.modality, inputs)
         except ValueError as e:
             raise MediaError(item.wire_field, str(e)) from None
-        return MediaSpan(start, count, span_key(item.digest, count, inputs), item.wire_field, encoder_input=inputs)
+        return MediaSpan(start, count, span_key(item, count, inputs), item.wire_field, encoder_input=inputs)
 
     def _run_processor(self, item: Media, holder: Placeholder) -> EncoderInput:
         """The HF processor on the placeholder alone with this one item: its tensors, checked against its own
@@ -129,7 +129,7 @@ class MediaPromptProcessor:
             raise MediaError(item.wire_field, "the embedding has non-finite values")
         data = np.ascontiguousarray(rows, dtype="<f4").tobytes()
         count = rows.shape[0]
-        return MediaSpan(start, count, span_key(item.digest, count, None), item.wire_field, rows=data)
+        return MediaSpan(start, count, span_key(item, count, None), item.wire_field, rows=data)
 
 
 def _run_length(ids: list[int], i: int, token_id: int) -> int:
