@@ -12,14 +12,14 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import AutoProcessor, PretrainedConfig
 
-from lmrpc.server.media.types import Media, Modality
+from lmrpc.server.media.types import Media, Modality, MultimodalProcessor
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.quantized import LinearBuilder
 from lmrpc.server.models.weights import Matrix, WeightSource
@@ -126,6 +126,11 @@ class MultimodalLM(LlamaForCausalLM):
         raise NotImplementedError
 
     @classmethod
+    def processor_kwargs(cls, media: Media) -> dict[str, Any]:
+        """Extra keywords for the HF processor's call on one item (its MediaOptions, where the family takes them)."""
+        return {}
+
+    @classmethod
     def sampling_rate(cls, hf_processor: object) -> int:
         """Audio models: the rate clips must have; 0 for image-only models."""
         return 0
@@ -135,7 +140,7 @@ class MultimodalLM(LlamaForCausalLM):
         with torch.inference_mode():
             return self.run_encoder(span.encoder_input).float()
 
-    def make_processor(self, path: Path) -> object:
+    def make_processor(self, path: Path) -> MultimodalProcessor:
         """The MultimodalProcessor the service calls (models/multimodal/processor.py), over the directory's HF
         processor."""
         from lmrpc.server.models.multimodal.processor import MediaPromptProcessor

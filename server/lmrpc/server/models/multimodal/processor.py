@@ -97,7 +97,8 @@ class MediaPromptProcessor:
         expansion of the placeholder."""
         data = item.image if item.modality is Modality.IMAGE else item.audio
         keyword = self._family.PROCESSOR_KEYWORD[item.modality]
-        kwargs: dict[str, Any] = {"text": [holder.token], keyword: [data], "return_tensors": "np"}
+        kwargs: dict[str, Any] = {"text": [holder.token], keyword: [data], "return_tensors": "np",
+                                  **self._family.processor_kwargs(item)}
         if item.modality is Modality.AUDIO:
             if item.sampling_rate != self.sampling_rate:
                 raise MediaError(item.wire_field, f"audio at {item.sampling_rate} Hz; this model takes "
