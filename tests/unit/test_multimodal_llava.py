@@ -6,6 +6,7 @@ one chunk and in chunks cut inside the image, bitwise alike), and the engine's 1
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from inprocess_service import engine_config, served
 from multimodal_run import executor_logits, hf_reference, image, request, run, start
+from safetensors.torch import load_file, save_file
 from transformers import LlavaForConditionalGeneration
 
 from lmrpc.kernels import native
@@ -169,3 +171,25 @@ async def test_served_like_any_checkpoint(tiny_llava_dir: Path) -> None:
             assert len(msg.token_ids) == 4
     finally:
         engine.shutdown()
+
+
+NEW_LAYOUT = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+              ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+def test_either_weight_layout_loads_the_same_model(tiny_llava_dir: Path, tmp_path: Path, loaded: LoadedModel,
+                                                   processor: MultimodalProcessor) -> None:
+    """transformers 5 writes LLaVA's weights under the legacy names; checkpoints written otherwise hold them under
+    model.language_model / model.vision_tower / lm_head: both load the same model."""
+    for file in tiny_llava_dir.iterdir():
+        if file.name != "model.safetensors":
+            shutil.copy(file, tmp_path / file.name)
+    renamed = {}
+    for name, tensor in load_file(str(tiny_llava_dir / "model.safetensors")).items():
+        old, new = next(pair for pair in NEW_LAYOUT if name.startswith(pair[0]))
+        renamed[new + name[len(old) :]] = tensor
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    other = load_model(ModelConfig(path=str(tmp_path), dtype="float32", device="cpu", quantization="none"))
+    prepared = processor.prepare("A picture: <image> What is in it?", [image(6)])
+    n = len(prepared.token_ids)
+    assert torch.equal(executor_logits(other, prepared, [n]), executor_logits(loaded, prepared, [n]))
