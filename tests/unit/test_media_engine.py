@@ -2,11 +2,13 @@
 over its positions (cached_tokens covers them, the encoder does not run again); a different image after the same text
 matches only the text before it and never shares a page holding image positions, alone or in one batch; mixed text
 and image requests together give bitwise their solo outputs, also in chunks of 8 tokens and after preemption and
-recompute (the encoder run again, to the same bits)."""
+recompute (the encoder run again, to the same bits); n = 3 samples share the image's pages; an in-process caller's
+rows of the wrong width end in an error."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ from lmrpc.kernels import native
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
 from lmrpc.server.media.types import Media, MultimodalProcessor, MultimodalPrompt
-from lmrpc.server.protocol import EngineRequest, MediaSpan, PromptMedia
+from lmrpc.server.protocol import EngineOutput, EngineRequest, FinishReason, MediaSpan, PromptMedia
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="bitwise equality rests on the native kernels")
 
@@ -173,3 +175,32 @@ def test_chunked_prefill_and_preemption_equal_solo(tiny_llava_dir: Path, process
         assert probe.encodes > 3  # a preempted image request encoded its image again
     finally:
         engine.shutdown()
+
+
+def test_samples_sharing_a_prefill_reuse_the_image_pages(engine: AsyncEngine, processor: MultimodalProcessor,
+                                                         solo: dict[str, Result]) -> None:
+    """n = 3 greedy samples of an image prompt (1..2 naming sample 0 in share_prefill_with): each equals the prompt
+    alone, and samples 1..2 get the image positions from the prefix cache."""
+    [target] = [r for r in mixed(processor) if r.request_id == "img-1"]
+    samples = [dataclasses.replace(target, request_id=f"n/{i}", rid="n", index=i,
+                                   share_prefill_with=None if i == 0 else "n/0") for i in range(3)]
+    results = asyncio.run(run(engine, samples))
+    expected = (solo["img-1"].tokens, solo["img-1"].logprobs)
+    assert all((r.tokens, r.logprobs) == expected for r in results.values())
+    media = target.prompt_media
+    assert media is not None
+    # Samples 1..2 wait for sample 0's full prompt pages: the image's positions are among them.
+    assert all(results[f"n/{i}"].cached_tokens >= media.spans[0].end for i in (1, 2))
+
+
+def test_rows_of_another_width_end_the_request_with_an_error(engine: AsyncEngine) -> None:
+    """An in-process caller's span with rows the model cannot take ends in FINISH_REASON_ERROR, not a broken step."""
+    span = MediaSpan(1, 2, b"k" * 16, "image_data[0].items[0]", rows=bytes(2 * 63 * 4))
+    req = dataclasses.replace(request(text(20, 5), 4), prompt_media=PromptMedia((span,)))
+    outs = asyncio.run(collect(engine, req))
+    assert outs[-1].finish is not None and outs[-1].finish.reason is FinishReason.ERROR
+    assert not any(o.token_ids for o in outs)
+
+
+async def collect(engine: AsyncEngine, req: EngineRequest) -> list[EngineOutput]:
+    return [o async for o in engine.generate([req])]

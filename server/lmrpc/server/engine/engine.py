@@ -242,11 +242,12 @@ class Engine:
             sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
             return
         media = request.prompt_media
-        if media is not None and (not self.info.accepts_embeddings or (
-                any(s.encoder_input is not None for s in media.spans) and not hasattr(self.executor.model,
-                                                                                      "encode_media"))):
+        if media is not None and (not self.info.accepts_embeddings or any(
+                (s.encoder_input is not None and not hasattr(self.executor.model, "encode_media"))
+                or (s.rows is not None and len(s.rows) != s.length * self.info.hidden_size * 4)
+                or s.end > len(request.prompt_ids) for s in media.spans)):
             # The service only builds prompt_media with the model's own processor; an in-process caller gets this.
-            message = "this model takes no images or audio"
+            message = "this model takes no such images or audio (no encoder, or rows of another width)"
             sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
             return
         live = LiveRequest(
