@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import grpc
 
@@ -53,6 +53,7 @@ class FakeEngine:
     live: dict[str, EngineRequest] = field(default_factory=dict)  # request_id -> request, while generating
     on_generate: list[Callable[[], None]] = field(default_factory=list)  # run inside each generate (span probes)
     failure: str | None = None  # AsyncEngine.failure: set, calls are refused UNAVAILABLE
+    media_processor: Any = None  # AsyncEngine.media_processor: a text-only model
     load_tracker: LoadTracker = field(default_factory=LoadTracker)  # what GetLoad and ORCA reports read
     # no adapters can load (no model): lora_path is NOT_FOUND, GetModelInfo lists none
     lora: LoraRegistry = field(default_factory=lambda: LoraRegistry(LoraConfig(), None))

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Any, cast
 
 import grpc
 from transformers import PreTrainedTokenizerBase
@@ -78,6 +78,7 @@ class ScriptedEngine:
     live: set[str] = field(default_factory=set)  # request ids generating now
     grammar: _TokenBytes = field(init=False)
     failure: str | None = None  # AsyncEngine.failure: set, calls are refused UNAVAILABLE
+    media_processor: Any = None  # AsyncEngine.media_processor: a text-only model
     running_by_client: dict[str, int] = field(default_factory=dict)  # nobody counted: no per-client cap reached
     load_tracker: LoadTracker = field(default_factory=LoadTracker)  # what ORCA reports read
     # no adapters can load (no model): lora_path is NOT_FOUND, GetModelInfo lists none

@@ -5,7 +5,7 @@ engine gets, and every error reaching the client as its status with the item's f
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lmrpc.server.config import EngineConfig, MediaConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
-from lmrpc.server.frontend import ENGINE_MEDIA_FIELD, Frontend
+from lmrpc.server.frontend import Frontend
 from lmrpc.server.media.types import Media, MediaError, Modality, MultimodalPrompt
 from lmrpc.server.protocol import EngineRequest
 from lmrpc.server.service import GenerateService
@@ -62,7 +62,7 @@ class FakeProcessor:
 class MediaEngine(FakeEngine):
     """FakeEngine with the loaded model's processor where the frontend looks for it, and the requests it got."""
 
-    multimodal: FakeProcessor | None = None
+    media_processor: FakeProcessor | None = None
     seen: list[EngineRequest] = field(default_factory=list)
 
     async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[Any]:
@@ -123,14 +123,14 @@ async def refused(stub: generate_pb2_grpc.GenerateServiceStub, req: generate_pb2
 
 
 async def test_image_reaches_prepare_and_the_engine_gets_the_expanded_prompt(web: Loopback, root: Path) -> None:
-    engine = MediaEngine(multimodal=FakeProcessor())
+    engine = MediaEngine(media_processor=FakeProcessor())
     async with serving(service(engine, MediaConfig(allowed_local_media_path=str(root)))) as stub:
         for item in (generate_pb2.MediaItem(data=PNG), generate_pb2.MediaItem(url=data_uri(PNG)),
                      generate_pb2.MediaItem(url=web.url("/a.png")), generate_pb2.MediaItem(url=str(root / "a.png"))):
             [out] = [m async for m in stub.Generate(request(item))]
             assert len(out.token_ids) == 2 + EXPAND  # FakeEngine: one token per prompt position
-    assert engine.multimodal is not None
-    calls = engine.multimodal.calls
+    assert engine.media_processor is not None
+    calls = engine.media_processor.calls
     assert [prompt for prompt, _ in calls] == [[1, IMG, 2]] * 4
     assert len({media[0].digest for _, media in calls}) == 1  # the same picture however it came
     assert all(media[0].wire_field == "image_data[0].items[0]" for _, media in calls)
@@ -138,7 +138,7 @@ async def test_image_reaches_prepare_and_the_engine_gets_the_expanded_prompt(web
 
 
 async def test_images_then_audio_per_prompt_and_one_list_for_every_prompt() -> None:
-    engine = MediaEngine(multimodal=FakeProcessor())
+    engine = MediaEngine(media_processor=FakeProcessor())
     req = generate_pb2.GenerateRequest(input_ids=[generate_pb2.TokenIds(ids=[IMG, AUD, 3]),
                                                   generate_pb2.TokenIds(ids=[IMG, AUD, 4])])
     req.image_data.add().items.add(data=PNG)  # one list: every prompt's
@@ -147,17 +147,17 @@ async def test_images_then_audio_per_prompt_and_one_list_for_every_prompt() -> N
     async with serving(service(engine, MediaConfig())) as stub:
         outs = [m async for m in stub.Generate(req)]
     assert len(outs) == 2
-    assert engine.multimodal is not None
-    fields_by_prompt = sorted([m.wire_field for m in media] for _, media in engine.multimodal.calls)
+    assert engine.media_processor is not None
+    fields_by_prompt = sorted([m.wire_field for m in media] for _, media in engine.media_processor.calls)
     assert fields_by_prompt == [["image_data[0].items[0]", "audio_data[0].items[0]"],
                                 ["image_data[0].items[0]", "audio_data[1].items[0]"]]
-    audio = [media[1] for _, media in engine.multimodal.calls]
+    audio = [media[1] for _, media in engine.media_processor.calls]
     assert all(a.sampling_rate == 16000 and a.audio is not None and len(a.audio) == 16000 for a in audio)
     assert audio[0].digest == audio[1].digest  # WAV and FLAC of the same samples
 
 
 async def test_every_item_error_names_the_item_and_the_server_serves_on(web: Loopback, root: Path) -> None:
-    engine = MediaEngine(multimodal=FakeProcessor())
+    engine = MediaEngine(media_processor=FakeProcessor())
     ok = generate_pb2.MediaItem(data=PNG)
     at = "image_data[0].items[1]"
     two = (1, IMG, IMG, 2)
@@ -189,7 +189,7 @@ async def test_every_item_error_names_the_item_and_the_server_serves_on(web: Loo
 
 
 async def test_request_shape_and_item_count_are_checked() -> None:
-    engine = MediaEngine(multimodal=FakeProcessor())
+    engine = MediaEngine(media_processor=FakeProcessor())
     async with serving(service(engine, MediaConfig(max_media_items=2))) as stub:
         req = generate_pb2.GenerateRequest(input_ids=[generate_pb2.TokenIds(ids=[IMG]) for _ in range(3)])
         req.image_data.add().items.add(data=PNG)
@@ -204,7 +204,7 @@ async def test_request_shape_and_item_count_are_checked() -> None:
             positions=[generate_pb2.Embedding(values=[0.0])])])
         embeds.image_data.add().items.add(data=PNG)
         await refused(stub, embeds, grpc.StatusCode.INVALID_ARGUMENT, "image_data")
-    assert engine.multimodal is not None and not engine.multimodal.calls  # nothing reached the processor
+    assert engine.media_processor is not None and not engine.media_processor.calls  # nothing reached the processor
 
 
 async def test_text_only_model_refuses_media_naming_the_item() -> None:
@@ -216,7 +216,7 @@ async def test_text_only_model_refuses_media_naming_the_item() -> None:
         said = await refused(stub, request(audio=[generate_pb2.MediaItem(data=b"x")]),
                              grpc.StatusCode.INVALID_ARGUMENT, "audio_data[0].items[0]")
         assert "takes no audio" in said
-    image_only = MediaEngine(multimodal=FakeProcessor(modalities=frozenset({Modality.IMAGE}), sampling_rate=0))
+    image_only = MediaEngine(media_processor=FakeProcessor(modalities=frozenset({Modality.IMAGE}), sampling_rate=0))
     async with serving(service(image_only, MediaConfig())) as stub:
         said = await refused(stub, request(audio=[generate_pb2.MediaItem(data=clip("WAV"))]),
                              grpc.StatusCode.INVALID_ARGUMENT, "audio_data[0].items[0]")
@@ -224,17 +224,12 @@ async def test_text_only_model_refuses_media_naming_the_item() -> None:
 
 
 async def test_engine_media_goes_into_the_engine_request() -> None:
-    """The processor's engine media rides in EngineRequest.prompt_media; an engine without that field yet answers
-    UNIMPLEMENTED naming the item rather than running the prompt without its media."""
+    """The processor's engine media rides in EngineRequest.prompt_media."""
     marker = object()
-    engine = MediaEngine(multimodal=FakeProcessor(engine_media=marker))
+    engine = MediaEngine(media_processor=FakeProcessor(engine_media=marker))
     async with serving(service(engine, MediaConfig())) as stub:
-        req = request(generate_pb2.MediaItem(data=PNG))
-        if ENGINE_MEDIA_FIELD in {f.name for f in fields(EngineRequest)}:
-            [_ async for _ in stub.Generate(req)]
-            assert getattr(engine.seen[-1], ENGINE_MEDIA_FIELD) is marker
-        else:
-            await refused(stub, req, grpc.StatusCode.UNIMPLEMENTED, "image_data[0].items[0]")
+        [_ async for _ in stub.Generate(request(generate_pb2.MediaItem(data=PNG)))]
+        assert engine.seen[-1].prompt_media is marker
 
 
 # ---- ChatComplete ----------------------------------------------------------------------------------------------------
@@ -276,7 +271,7 @@ def test_chat_media_parts_reach_prepare_in_message_order(smollm2_tokenizer: PreT
     placeholder text for SmolLM2's string-only template, the template's own for one that renders content lists."""
     engine = ScriptedEngine(smollm2_tokenizer, lambda r: Scripted("A cat."))
     processor = FakeProcessor(strict=False)
-    engine.multimodal = processor
+    engine.media_processor = processor
     req = chat_request(image_part(), text_part("What is this?"), audio_part("flac"), image_part(encoded("WEBP")))
     with serving_openai(engine, template) as target, grpc.insecure_channel(target) as channel:
         stub = openai_pb2_grpc.OpenAIServiceStub(channel)
@@ -307,7 +302,7 @@ def test_chat_media_errors_name_the_part(smollm2_tokenizer: PreTrainedTokenizerB
         # a text-only model (no processor)
         assert code_and_fields(chat_request(text_part("hi"), image_part())) == (
             grpc.StatusCode.INVALID_ARGUMENT, ["messages[0].content_parts[1]"])
-        engine.multimodal = FakeProcessor(strict=False)
+        engine.media_processor = FakeProcessor(strict=False)
         bad = openai_pb2.ContentPart(type="image_url", image_url=openai_pb2.ImageUrl(url=data_uri(b"junk")))
         assert code_and_fields(chat_request(text_part("hi"), bad)) == (
             grpc.StatusCode.INVALID_ARGUMENT, ["messages[0].content_parts[1]"])

@@ -1,10 +1,7 @@
 """What every servicer of the engine shares: the engine once loaded, the drain flag, admission control (outputs in
 flight against the server's limit, and per client), request ids, the replica's load, the observation of a call
 (metrics, span, request log; an engine that cannot serve ends it UNAVAILABLE), and the media path (items checked,
-read and decoded, then placed in their prompts by the model's processor).
-
-The two seams with the multimodal model side are here, one line each: `Frontend.multimodal_processor` (where the
-loaded model's processor is found) and `attach_media` (where a prompt's media goes into its EngineRequest)."""
+read and decoded, then placed in their prompts by the model's processor and attached to their engine requests)."""
 
 from __future__ import annotations
 
@@ -13,8 +10,8 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import fields, replace
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import TypeVar
 
 import grpc
 
@@ -26,25 +23,16 @@ from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.media import ingest
 from lmrpc.server.media.types import MediaError, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.metrics import Metrics
-from lmrpc.server.protocol import EngineRequest
+from lmrpc.server.protocol import EngineRequest, PromptMedia
 from lmrpc.server.telemetry import CallObserver
 
 T = TypeVar("T")
 LOAD_REFRESH = 0.5  # seconds a load reading is reused for ORCA reports (a burst of calls reads it once)
-# The EngineRequest field that carries a prompt's media to the engine (MultimodalPrompt.engine_media).
-ENGINE_MEDIA_FIELD = "prompt_media"
 
 
-def attach_media(request: EngineRequest, engine_media: Any, field: str) -> EngineRequest:
-    """`request` carrying its prompt's media for the engine. SEAM (issue 15, engine side): the engine's
-    EngineRequest field is ENGINE_MEDIA_FIELD; until the engine has it, a prompt whose processor made engine media
-    is UNIMPLEMENTED (naming `field`) rather than run without its media. None: nothing for the engine."""
-    if engine_media is None:
-        return request
-    if ENGINE_MEDIA_FIELD not in {f.name for f in fields(EngineRequest)}:
-        raise validation.RequestError(grpc.StatusCode.UNIMPLEMENTED, [validation.Violation(
-            field, "this server's engine does not run media items yet")])
-    return replace(request, **{ENGINE_MEDIA_FIELD: engine_media})
+def attach_media(request: EngineRequest, engine_media: PromptMedia | None) -> EngineRequest:
+    """`request` carrying its prompt's media for the engine (MultimodalPrompt.engine_media; None: none)."""
+    return request if engine_media is None else replace(request, prompt_media=engine_media)
 
 
 class Frontend:
@@ -109,10 +97,8 @@ class Frontend:
     # ---- media -------------------------------------------------------------------------------------------------
 
     def multimodal_processor(self) -> MultimodalProcessor | None:
-        """The loaded model's multimodal processor; None for a text-only model. SEAM (issue 15, model side): read
-        as the `multimodal` attribute of the engine the servicers hold (AsyncEngine, which takes it from the loaded
-        model as it takes the tokenizer)."""
-        return getattr(self.engine, "multimodal", None)
+        """The loaded model's multimodal processor; None for a text-only model."""
+        return self.engine.media_processor
 
     async def prepare_media(self, prompts: Sequence[Sequence[int]], items: Sequence[Sequence[ingest.WireItem]]
                             ) -> list[MultimodalPrompt | None]:

@@ -173,7 +173,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                     prompt_embeds=embeds[i],
                     hidden_states=hidden, routed_experts_from=routed_from,
                 )
-                out.append(request if mm is None else attach_media(request, mm.engine_media, media_items[i][0].field))
+                out.append(request if mm is None else attach_media(request, mm.engine_media))
         return out
 
     async def _adapter(self, ref: str, index: int) -> LoadedAdapter | None:

@@ -89,7 +89,7 @@ async def plan(req: openai_pb2.ChatCompleteRequest, frontend: Frontend, template
     logprobs = LogprobOptions(top_k=options.logprobs) if options.logprobs is not None else None
     requests = engine_requests(rid, [prompt], [params], options.n, logprobs, adapter, outputs)
     if placed is not None:
-        requests = [attach_media(r, placed.engine_media, media_items[0].field) for r in requests]
+        requests = [attach_media(r, placed.engine_media) for r in requests]
     model = req.model if adapter else info.served_model_name  # "base:adapter" is answered as asked
     return ChatPlan(id=f"chatcmpl-{rid}", created=int(time.time()), model=model, options=options,
                     prompt=prompt, requests=tuple(requests))
