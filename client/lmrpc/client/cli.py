@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
@@ -118,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--lora", action="append", metavar="ADAPTER",
                      help="LoRA adapter (a loaded name, or a path under the server's --lora-root): once for every "
                           "prompt, or once per prompt ('' for the base model)")
+    gen.add_argument("--image", action="append", metavar="FILE|URL",
+                     help="an image for the prompt's next image placeholder (repeatable; with several prompts, every "
+                          "prompt gets them): a local file is read and sent, an http(s) or data: URL is sent for the "
+                          "server to fetch")
+    gen.add_argument("--audio", action="append", metavar="FILE|URL", help="an audio clip, as --image")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per output (per message with --stream) instead of text")
     gen.set_defaults(command=cmd_generate)
@@ -208,12 +214,21 @@ def sampling_params_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
+def cli_media(values: list[str] | None) -> list[str | bytes] | None:
+    """--image/--audio values: URLs as given (the server fetches them), anything else a local file read here (so
+    the server needs no access to the caller's files)."""
+    if not values:
+        return None
+    return [v if re.match(r"(?i)(https?|data|file):", v) else Path(v).read_bytes() for v in values]
+
+
 def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     kwargs: dict[str, Any] = {
         "sampling_params": params, "rid": args.rid, "return_logprob": args.logprobs,
         "top_logprobs_num": args.top_logprobs, "logprob_start_len": args.logprob_start_len,
         "custom_logit_processor": args.custom_logit_processor, "priority": args.priority, "lora_path": args.lora,
+        "image_data": cli_media(args.image), "audio_data": cli_media(args.audio),
     }
     prompts: list[str] = args.prompt
     text: str | list[str] = prompts[0] if len(prompts) == 1 else prompts

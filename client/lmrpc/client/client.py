@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lmrpc.client.convert import SamplingParamsLike, build_generate_request
 from lmrpc.client.errors import LmrpcError
 from lmrpc.client.lora_calls import AsyncLoraMethods, LoraMethods
+from lmrpc.client.media import MediaArg
 from lmrpc.client.openai_calls import AsyncOpenAIMethods, OpenAIMethods
 from lmrpc.client.results import GenerateDelta, GenerateResult, Load, ModelInfo, ServingStatus, merge
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc, openai_pb2_grpc
@@ -162,6 +163,7 @@ class Client(_Base, OpenAIMethods, LoraMethods):
                  token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                  custom_logit_processor: str | None = ..., stream: Literal[False] = ...,
                  priority: int | None = ..., lora_path: str | Sequence[str] | None = ...,
+                 image_data: MediaArg | None = ..., audio_data: MediaArg | None = ...,
                  timeout: float | None = ..., metadata: Metadata | None = ...) -> list[GenerateResult]: ...
 
     @overload
@@ -173,6 +175,7 @@ class Client(_Base, OpenAIMethods, LoraMethods):
                  token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                  custom_logit_processor: str | None = ..., stream: Literal[True],
                  priority: int | None = ..., lora_path: str | Sequence[str] | None = ...,
+                 image_data: MediaArg | None = ..., audio_data: MediaArg | None = ...,
                  timeout: float | None = ..., metadata: Metadata | None = ...) -> DeltaStream: ...
 
     def generate(self, text: str | Sequence[str] | None = None, *,
@@ -183,17 +186,21 @@ class Client(_Base, OpenAIMethods, LoraMethods):
                  token_ids_logprob: Sequence[int] | None = None, return_text_in_logprobs: bool = False,
                  custom_logit_processor: str | None = None, stream: bool = False,
                  priority: int | None = None, lora_path: str | Sequence[str] | None = None,
+                 image_data: MediaArg | None = None, audio_data: MediaArg | None = None,
                  timeout: float | None = None,
                  metadata: Metadata | None = None) -> list[GenerateResult] | DeltaStream:
         """Generate from one prompt or a batch. stream=True: an iterator of deltas (leaving it early cancels the
         call); otherwise one merged result per output index, ordered by index. priority: lower is admitted first
         among waiting requests (default 0). lora_path: the LoRA adapter of every prompt (a str), or one per prompt
-        ("" for the base model)."""
+        ("" for the base model). image_data / audio_data: the prompts' images and audio clips (see
+        lmrpc.client.media: URLs or paths the server reads, file bytes, processor output, embeddings), each filling
+        one placeholder of its prompt in order."""
         request = build_generate_request(
             text, input_ids=input_ids, sampling_params=sampling_params, rid=rid, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority, lora_path=lora_path)
+            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority, lora_path=lora_path,
+            image_data=image_data, audio_data=audio_data)
         deltas = self._generate_stream(request, self._call_kwargs(timeout, metadata))
         return deltas if stream else merge(deltas)
 
@@ -300,6 +307,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods, AsyncLoraMethods):
                        token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                        custom_logit_processor: str | None = ..., stream: Literal[False] = ...,
                        priority: int | None = ..., lora_path: str | Sequence[str] | None = ...,
+                       image_data: MediaArg | None = ..., audio_data: MediaArg | None = ...,
                        timeout: float | None = ..., metadata: Metadata | None = ...) -> list[GenerateResult]: ...
 
     @overload
@@ -311,6 +319,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods, AsyncLoraMethods):
                        token_ids_logprob: Sequence[int] | None = ..., return_text_in_logprobs: bool = ...,
                        custom_logit_processor: str | None = ..., stream: Literal[True],
                        priority: int | None = ..., lora_path: str | Sequence[str] | None = ...,
+                       image_data: MediaArg | None = ..., audio_data: MediaArg | None = ...,
                        timeout: float | None = ...,
                        metadata: Metadata | None = ...) -> AsyncDeltaStream: ...
 
@@ -322,6 +331,7 @@ class AsyncClient(_Base, AsyncOpenAIMethods, AsyncLoraMethods):
                        token_ids_logprob: Sequence[int] | None = None, return_text_in_logprobs: bool = False,
                        custom_logit_processor: str | None = None, stream: bool = False,
                        priority: int | None = None, lora_path: str | Sequence[str] | None = None,
+                       image_data: MediaArg | None = None, audio_data: MediaArg | None = None,
                        timeout: float | None = None,
                        metadata: Metadata | None = None) -> list[GenerateResult] | AsyncDeltaStream:
         """Like Client.generate. stream=True: `async for delta in await client.generate(..., stream=True)`."""
@@ -329,7 +339,8 @@ class AsyncClient(_Base, AsyncOpenAIMethods, AsyncLoraMethods):
             text, input_ids=input_ids, sampling_params=sampling_params, rid=rid, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority, lora_path=lora_path)
+            custom_logit_processor=custom_logit_processor, stream=stream, priority=priority, lora_path=lora_path,
+            image_data=image_data, audio_data=audio_data)
         deltas = self._generate_stream(request, self._call_kwargs(timeout, metadata))
         if stream:
             return deltas

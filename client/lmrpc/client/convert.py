@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+from lmrpc.client.media import MediaArg, media_lists
 from lmrpc.v1 import generate_pb2
 
 # One set of sampling parameters: a dict of field names, or a ready message.
@@ -115,8 +116,11 @@ def build_generate_request(
     stream: bool,
     priority: int | None = None,
     lora_path: str | Sequence[str] | None = None,
+    image_data: MediaArg | None = None,
+    audio_data: MediaArg | None = None,
 ) -> generate_pb2.GenerateRequest:
-    """Build a GenerateRequest; a single prompt (str, or a flat list of ints) becomes a batch of one."""
+    """Build a GenerateRequest; a single prompt (str, or a flat list of ints) becomes a batch of one. Media: see
+    media.py."""
     if (text is None) == (input_ids is None):
         raise ValueError("give exactly one of text and input_ids")
     req = generate_pb2.GenerateRequest(
@@ -145,6 +149,8 @@ def build_generate_request(
                     raise TypeError("input_ids must be a list of ints or a list of lists of ints")
                 req.input_ids.add().ids.extend(ids)
     req.sampling_params.extend(sampling_params_list(sampling_params))
+    req.image_data.extend(media_lists(image_data))
+    req.audio_data.extend(media_lists(audio_data))
     if rid is not None:
         req.rid.extend([rid] if isinstance(rid, str) else rid)
     if logprob_start_len is not None:
