@@ -1,5 +1,5 @@
 """Shared fixtures: the real tokenizer (from the default GGUF), a tiny random-weight Llama, tiny random-weight
-mixture-of-experts checkpoints, the real model."""
+mixture-of-experts checkpoints, a tiny random-weight Qwen2-VL, the real model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_moe import save_tiny_moe
+from tiny_qwen2vl import save_tiny_qwen2vl
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from lmrpc.server.models.loader import default_gguf
@@ -44,3 +45,10 @@ def smollm2_gguf() -> Path:
 def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
     """A tiny random Qwen2-MoE (shared expert, a dense layer) with SmolLM2's vocabulary, saved as an HF directory."""
     return save_tiny_moe("Qwen2MoeForCausalLM", tmp_path_factory.mktemp("tiny-moe"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
+    """A tiny random Qwen2-VL (M-RoPE text model, 1-block vision tower) with SmolLM2's tokenizer plus the Qwen2-VL
+    special tokens, and its processor, saved as an HF directory."""
+    return save_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2vl"), smollm2_tokenizer)
