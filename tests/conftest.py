@@ -1,5 +1,5 @@
 """Shared fixtures: the real tokenizer (from the default GGUF), a tiny random-weight Llama, tiny random-weight
-mixture-of-experts checkpoints, a tiny random-weight Qwen2-VL, the real model."""
+mixture-of-experts and multimodal (LLaVA, Qwen2-Audio, Qwen2-VL) checkpoints, the real model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_moe import save_tiny_moe
+from tiny_multimodal import save_tiny_llava, save_tiny_qwen2_audio
 from tiny_qwen2vl import save_tiny_qwen2vl
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
@@ -48,7 +49,20 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Pr
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
+    """A tiny random LLaVA (CLIP tower, 32x32 images of 16 positions, Llama text side) with its HF processor."""
+    return save_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_audio_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase
+                         ) -> Path:
+    """A tiny random Qwen2-Audio (Whisper-like encoder, one-second clips, Qwen2 text side) with its HF processor."""
+    return save_tiny_qwen2_audio(tmp_path_factory.mktemp("tiny-qwen2-audio"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
     """A tiny random Qwen2-VL (M-RoPE text model, 1-block vision tower) with SmolLM2's tokenizer plus the Qwen2-VL
-    special tokens, and its processor, saved as an HF directory."""
+    special tokens, and its image processor, saved as an HF directory."""
     return save_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2vl"), smollm2_tokenizer)

@@ -132,6 +132,49 @@ class PromptEmbeddings:
         assert len(self.position_keys) == self.num_positions
 
 
+@dataclass(frozen=True, eq=False)  # identity-compared: encoder_input holds arrays, which have no plain ==
+class MediaSpan:
+    """One image or audio clip placed in a prompt: the positions it fills and what gives their rows."""
+
+    start: int  # its first prompt position
+    length: int  # prompt positions it fills (its placeholder token, expanded by the model's processor)
+    # The item's cache identity: Media.digest and whatever else changes its rows (models.multimodal.base.span_key).
+    # Position i of the span is keyed key + i (4 bytes): bytes never equal a token id, the same image gives the same
+    # keys (a prefix-cache hit) and a different one different keys (never shared pages).
+    key: bytes
+    wire_field: str  # where the item came from on the wire, for errors: "image_data[0].items[1]"
+    rows: bytes | None = None  # precomputed float32 little-endian [length, hidden] (Media.embedding), used as given
+    # What the model's encoder takes to compute the rows (its processor's tensors for this item alone, numpy arrays),
+    # opaque to the engine; None when rows are given. The encoder runs on the engine thread (engine/media_rows.py).
+    encoder_input: Any = None
+
+    def __post_init__(self) -> None:
+        assert self.start >= 0 and self.length >= 1
+        assert (self.rows is None) != (self.encoder_input is None), "a span has rows or an encoder input"
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def position_keys(self, lo: int, hi: int) -> list[bytes]:
+        """The prefix-cache keys of prompt positions [lo, hi), which lie inside the span."""
+        return [self.key + (p - self.start).to_bytes(4, "little") for p in range(lo, hi)]
+
+
+@dataclass(frozen=True)
+class PromptMedia:
+    """A prompt's images and audio clips (MultimodalPrompt.engine_media): the spans their rows replace."""
+
+    spans: tuple[MediaSpan, ...]  # in position order, disjoint
+
+    def __post_init__(self) -> None:
+        assert all(a.end <= b.start for a, b in zip(self.spans, self.spans[1:], strict=False)), "ordered, disjoint"
+
+    def overlapping(self, lo: int, hi: int) -> list[tuple[int, MediaSpan]]:
+        """(index, span) of the spans with positions in [lo, hi)."""
+        return [(i, s) for i, s in enumerate(self.spans) if s.start < hi and s.end > lo]
+
+
 @dataclass(frozen=True)
 class RopePositions:
     """A prompt's multimodal rotary positions (M-RoPE, Qwen2-VL): three per token, temporal, height and width. An
@@ -171,6 +214,9 @@ class EngineRequest:
     # The prompt as embeddings; then prompt_ids holds one placeholder id per position (never read by the model,
     # never a prefix-cache key) so that lengths, positions and usage stay token-shaped
     prompt_embeds: PromptEmbeddings | None = None
+    # Images and audio clips in the prompt: prompt_ids holds the model's placeholder id at their positions (read by
+    # nothing but usage and the detokenizer's context); the executor replaces those rows with the items' own
+    prompt_media: PromptMedia | None = None
     hidden_states: HiddenStatesMode | None = None  # return final-layer normalized hidden states; None: don't
     routed_experts_from: int | None = None  # return routed experts from this position on; None: don't
 

@@ -21,6 +21,7 @@ from lmrpc.server.engine.grammar import GrammarBackend
 from lmrpc.server.engine.live import OutputFlow, _Abort, _Add, _Stop, _Wake
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.logit_processors import ProcessorRegistry
+from lmrpc.server.media.types import MultimodalProcessor
 from lmrpc.server.models.loader import default_gguf, load_model
 from lmrpc.server.protocol import Constraint, EngineOutput, EngineRequest, EngineStats, ModelInfo
 
@@ -37,6 +38,9 @@ class AsyncEngine:
         self.model_info: ModelInfo = engine.info
         self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
         self.processors = engine.processors
+        # A multimodal model's MultimodalProcessor (call its prepare in a worker thread: it runs the HF processor);
+        # None for a text-only model
+        self.media_processor: MultimodalProcessor | None = engine.media_processor
         self.grammar = engine.grammar
         self.lora = engine.lora  # the loaded LoRA adapters (lora/registry.py)
         self._ids_by_rid: dict[str, set[str]] = {}  # event-loop side: live request ids per user rid

@@ -69,6 +69,7 @@ class Engine:
     ) -> None:
         self.info: ModelInfo = loaded.info
         self.tokenizer = loaded.tokenizer
+        self.media_processor = loaded.processor  # places images/audio in prompts (multimodal models); else None
         self.executor = ModelExecutor(loaded, config)
         kv = KVCacheManager(self.executor.num_pages, self.executor.page_size, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, kv, config.lora.max_loras_per_batch)
@@ -238,6 +239,15 @@ class Engine:
         if embeds is not None and (not self.info.accepts_embeddings or embeds.hidden != self.info.hidden_size):
             # The servicer refuses these (validation.check_embeddings); an in-process caller gets a clear error.
             message = f"this model takes embeddings of width {self.info.hidden_size} only from a native model"
+            sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
+            return
+        media = request.prompt_media
+        if media is not None and (not self.info.accepts_embeddings or any(
+                (s.encoder_input is not None and not hasattr(self.executor.model, "encode_media"))
+                or (s.rows is not None and len(s.rows) != s.length * self.info.hidden_size * 4)
+                or s.end > len(request.prompt_ids) for s in media.spans)):
+            # The service only builds prompt_media with the model's own processor; an in-process caller gets this.
+            message = "this model takes no such images or audio (no encoder, or rows of another width)"
             sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
             return
         live = LiveRequest(

@@ -16,6 +16,7 @@ from lmrpc.kernels.flashinfer_attention import FlashInferAttention
 from lmrpc.kernels.paged import ChunkSpec
 from lmrpc.server import memory
 from lmrpc.server.config import EngineConfig
+from lmrpc.server.engine import media_rows
 from lmrpc.server.engine.cuda_graphs import CudaGraphRunner, default_buckets
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, Sequence
 from lmrpc.server.lora.products import RowGroup
@@ -112,7 +113,7 @@ class ModelExecutor:
             positions.extend(range(c.start, c.start + c.num_tokens))
         chunks = [ChunkSpec(c.start, c.num_tokens, c.seq.page_table) for c in batch.chunks]
         lora = _adapter_groups(batch, self.device)
-        embedded = any(_embedded_span(c)[1] for c in batch.chunks)
+        embedded = any(_embedded_span(c)[1] or media_rows.chunk_has_media(c) for c in batch.chunks)
         # A captured graph gives logits only: steps that need embeddings in, hidden states or routing out run eagerly.
         extras = embedded or any(c.seq.request.hidden_states is not None
                                  or c.seq.request.routed_experts_from is not None for c in batch.chunks)
@@ -167,7 +168,8 @@ class ModelExecutor:
 
     def _input_embeds(self, batch: ScheduledBatch, ids: torch.Tensor) -> torch.Tensor:
         """The first layer's rows [T, hidden] float32: the embedding lookup of ids, with the prompt positions given as
-        embeddings replaced by the request's own rows (exactly as sent: the lookup's rows are float32 too)."""
+        embeddings replaced by the request's own rows (exactly as sent: the lookup's rows are float32 too), and image
+        and audio positions by their items' rows (engine/media_rows.py)."""
         x = self.model.embed(ids)  # [T, hidden]
         row = 0
         for c in batch.chunks:
@@ -180,6 +182,8 @@ class ModelExecutor:
                 x[row + first - c.start : row + first - c.start + count] = torch.from_numpy(
                     rows.reshape(count, width).copy()).to(self.device)  # [count, hidden]
             row += c.num_tokens
+        if any(c.seq.request.prompt_media is not None for c in batch.chunks):
+            media_rows.write_rows(cast(media_rows.MediaEncoder, self.model), batch, x)
         return x
 
     def _rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]:

@@ -72,11 +72,13 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        seq.media_rows.clear()
         seq.status = SeqStatus.FINISHED
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
+        seq.media_rows.clear()  # encoder rows: recomputed with the prompt (same bits) rather than held while waiting
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self._enqueue(seq)

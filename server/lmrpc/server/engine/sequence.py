@@ -36,6 +36,10 @@ class Sequence:
     paused: bool = False
     finish: Finish | None = None  # set once finished
     engine_state: dict[str, Any] = field(default_factory=dict)  # per-sequence state owned by the engine loop
+    # The encoder's rows of its media spans (span index -> [length, hidden] tensor), computed by the executor when a
+    # chunk first needs them and dropped when the sequence finishes or is preempted (a recompute encodes again, to
+    # the same bits). Opaque here: this module imports no torch.
+    media_rows: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -44,13 +48,19 @@ class Sequence:
 
     def cache_keys(self, start: int, end: int) -> list[int | bytes]:
         """The prefix cache's keys of positions [start, end): the token ids, except that prompt positions given as
-        embeddings are keyed by their row's digest (bytes never equal an int, so no token prompt can match them)."""
+        embeddings are keyed by their row's digest, and image/audio positions by their item's key and index
+        (MediaSpan.position_keys): bytes never equal an int, so no token prompt can match them."""
+        keys: list[int | bytes] = list(self.token_ids[start:end])
         embeds = self.request.prompt_embeds
-        if embeds is None or start >= embeds.num_positions:
-            return list(self.token_ids[start:end])
-        cut = min(end, embeds.num_positions)
-        keys: list[int | bytes] = list(embeds.position_keys[start:cut])
-        return keys + list(self.token_ids[cut:end])
+        if embeds is not None and start < embeds.num_positions:
+            cut = min(end, embeds.num_positions)
+            keys[: cut - start] = embeds.position_keys[start:cut]
+        media = self.request.prompt_media
+        if media is not None:
+            for _, span in media.overlapping(start, end):
+                lo, hi = max(start, span.start), min(end, span.end)
+                keys[lo - start : hi - start] = span.position_keys(lo, hi)
+        return keys
 
     @property
     def request_id(self) -> str:

@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
+from lmrpc.server.media.types import MultimodalProcessor
 from lmrpc.server.models import CausalLM, load_registry
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import resolve_dtype
@@ -45,6 +46,9 @@ class LoadedModel:
     model: CausalLM  # a registered implementation (forward over a flat batch + compute_logits)
     tokenizer: PreTrainedTokenizerBase  # the model's tokenizer
     info: ModelInfo  # what clients are told
+    # A vision/audio-language model's MultimodalProcessor (media/types.py: its prepare places a prompt's media);
+    # None for a text-only model
+    processor: MultimodalProcessor | None = None
 
 
 def default_gguf() -> Path:
@@ -162,6 +166,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model: CausalLM
     formats: tuple[str, ...] = ()
     experts: ExpertsInfo | None = None  # a mixture-of-experts model's routing layout
+    processor: MultimodalProcessor | None = None
     if arch in registry:
         builder = LinearBuilder(quantization, dtype, device, native=_native_serves(device, dtype),
                                 expand_codes=config.expand_codes)
@@ -175,6 +180,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         model = cast(CausalLM, built)
         formats = built.weight_formats()
         experts = built.experts_info() if hasattr(built, "experts_info") else None
+        if hasattr(built, "make_processor"):  # models.multimodal: takes images or audio
+            processor = cast(MultimodalProcessor, built.make_processor(path))
     else:
         if quantization in (Quantization.INT8, Quantization.INT4):
             raise ValueError(f"--quantization {quantization.value} needs a native implementation; {arch} has none "
@@ -188,24 +195,25 @@ def load_model(config: ModelConfig) -> LoadedModel:
                 convert_gguf(gguf, weights_dir)
         model = HFCausalLM.from_pretrained(weights_dir, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    text_config = hf_config.get_text_config()  # a multimodal config's language-model part; else the config itself
     source = config.path or str(default_gguf())
     info = ModelInfo(
         path=source,
         served_model_name=config.served_model_name or (DEFAULT_NAME if config.path is None else _name_of(Path(source))),
         architecture=arch,
-        vocab_size=int(hf_config.vocab_size),
-        max_context_length=int(hf_config.max_position_embeddings),
+        vocab_size=int(text_config.vocab_size),
+        max_context_length=int(text_config.max_position_embeddings),
         eos_token_ids=_eos_ids(path, hf_config),
         generation_defaults=_generation_defaults(path),
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         quantization=_quantization_name(formats),
         weight_formats=formats,
-        hidden_size=int(hf_config.hidden_size),
+        hidden_size=int(text_config.hidden_size),
         accepts_embeddings=bool(model.accepts_embeddings),
         experts=experts,
     )
-    return LoadedModel(model, tokenizer, info)
+    return LoadedModel(model, tokenizer, info, processor)
 
 
 def _name_of(source: Path) -> str:
