@@ -162,20 +162,6 @@ class MediaSpan:
 
 
 @dataclass(frozen=True)
-class PromptMedia:
-    """A prompt's images and audio clips (MultimodalPrompt.engine_media): the spans their rows replace."""
-
-    spans: tuple[MediaSpan, ...]  # in position order, disjoint
-
-    def __post_init__(self) -> None:
-        assert all(a.end <= b.start for a, b in zip(self.spans, self.spans[1:], strict=False)), "ordered, disjoint"
-
-    def overlapping(self, lo: int, hi: int) -> list[tuple[int, MediaSpan]]:
-        """(index, span) of the spans with positions in [lo, hi)."""
-        return [(i, s) for i, s in enumerate(self.spans) if s.start < hi and s.end > lo]
-
-
-@dataclass(frozen=True)
 class RopePositions:
     """A prompt's multimodal rotary positions (M-RoPE, Qwen2-VL): three per token, temporal, height and width. An
     image's tokens lie on its grid; a text token has three equal positions, one more than the largest before it.
@@ -195,6 +181,23 @@ class RopePositions:
         after = list(range(max(start, cut) + self.delta, end + self.delta))
         t, h, w = (list(c[start:cut]) + after for c in self.prompt)
         return t, h, w
+
+
+@dataclass(frozen=True)
+class PromptMedia:
+    """A prompt's images and audio clips (MultimodalPrompt.engine_media): the spans their rows replace."""
+
+    spans: tuple[MediaSpan, ...]  # in position order, disjoint
+    # M-RoPE models (Qwen2-VL): where each prompt token rotates, given where the items lie (models/mrope.py); None:
+    # each token at its position, three times over (as every prompt of other models)
+    rope_positions: RopePositions | None = None
+
+    def __post_init__(self) -> None:
+        assert all(a.end <= b.start for a, b in zip(self.spans, self.spans[1:], strict=False)), "ordered, disjoint"
+
+    def overlapping(self, lo: int, hi: int) -> list[tuple[int, MediaSpan]]:
+        """(index, span) of the spans with positions in [lo, hi)."""
+        return [(i, s) for i, s in enumerate(self.spans) if s.start < hi and s.end > lo]
 
 
 @dataclass(frozen=True)
