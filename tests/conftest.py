@@ -66,3 +66,11 @@ def tiny_qwen2vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer
     """A tiny random Qwen2-VL (M-RoPE text model, 1-block vision tower) with SmolLM2's tokenizer plus the Qwen2-VL
     special tokens, and its image processor, saved as an HF directory."""
     return save_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2vl"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase
+                        ) -> Path:
+    """The same as tiny_qwen2vl_dir for Qwen2.5-VL (its vision tower: window attention, RMSNorm, gated MLP)."""
+    return save_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), smollm2_tokenizer,
+                             architecture="Qwen2_5_VLForConditionalGeneration")

@@ -1,9 +1,9 @@
-"""Qwen2-VL on a tiny random checkpoint (a 1-block vision tower with its patch merger, a Qwen2 text side with M-RoPE):
-the loader picks our family; `prepare` expands `<|image_pad|>` to each image's grid (per-item min/max pixels) and
-gives the prompt's M-RoPE positions, those of transformers' `get_rope_index`; our executor's logits of a two-image
-prompt equal transformers' within 1e-4 in float32 (bitwise alike when chunked inside an image), the engine's 16 greedy
-tokens equal transformers'; an image request alone = batched with a text request = chunked prefill = prefix-cache
-hit, bitwise; items that cannot be placed are MediaErrors naming them."""
+"""Qwen2-VL and Qwen2.5-VL on tiny random checkpoints (a small vision tower with its patch merger, a Qwen2 text side
+with M-RoPE), each: the loader picks our family; `prepare` expands `<|image_pad|>` to each image's grid (per-item
+min/max pixels) and gives the prompt's M-RoPE positions, those of transformers' `get_rope_index`; our executor's
+logits of a two-image prompt equal transformers' within 1e-4 in float32 (bitwise alike when chunked inside an image),
+the engine's 16 greedy tokens equal transformers'; an image request alone = batched with a text request = chunked
+prefill = prefix-cache hit, bitwise; items that cannot be placed are MediaErrors naming them."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 from multimodal_run import Result, executor_logits, hf_inputs, image, request, run, start
-from transformers import Qwen2VLForConditionalGeneration
+from tiny_qwen2vl import FAMILIES
+from transformers import PreTrainedModel
 
 from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
 from lmrpc.server.media.types import Media, MediaError, MediaOptions, Modality, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.models.loader import LoadedModel, load_model
-from lmrpc.server.models.multimodal.qwen2_vl import Qwen2VLLM
+from lmrpc.server.models.multimodal.qwen2_vl import Qwen2_5_VLLM, Qwen2VLLM
 from lmrpc.server.protocol import PromptMedia
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native model path")
@@ -32,9 +33,22 @@ VISION_START, VISION_END, IMAGE_ID = 49152, 49153, 49154  # the first ids added 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+OURS = {"Qwen2VLForConditionalGeneration": Qwen2VLLM, "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLLM}
+
+
+@pytest.fixture(scope="module", params=sorted(OURS))
+def architecture(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def loaded(tiny_qwen2vl_dir: Path) -> LoadedModel:
-    return load_model(ModelConfig(path=str(tiny_qwen2vl_dir), dtype="float32", device="cpu", quantization="none"))
+def checkpoint(architecture: str, tiny_qwen2vl_dir: Path, tiny_qwen2_5_vl_dir: Path) -> Path:
+    return tiny_qwen2vl_dir if architecture == "Qwen2VLForConditionalGeneration" else tiny_qwen2_5_vl_dir
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint: Path) -> LoadedModel:
+    return load_model(ModelConfig(path=str(checkpoint), dtype="float32", device="cpu", quantization="none"))
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +58,8 @@ def processor(loaded: LoadedModel) -> MultimodalProcessor:
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_qwen2vl_dir: Path) -> Iterator[Qwen2VLForConditionalGeneration]:
-    yield Qwen2VLForConditionalGeneration.from_pretrained(tiny_qwen2vl_dir, dtype=torch.float32).eval()
+def hf(architecture: str, checkpoint: Path) -> Iterator[PreTrainedModel]:
+    yield FAMILIES[architecture][1].from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
 def media_of(prompt: MultimodalPrompt) -> PromptMedia:
@@ -66,16 +80,16 @@ def two_images(processor: MultimodalProcessor) -> MultimodalPrompt:
                              [image(1, width=90, height=60), image(2, width=60, height=60, index=1)])
 
 
-def test_loader_picks_the_qwen2vl_family(loaded: LoadedModel, processor: MultimodalProcessor) -> None:
-    assert isinstance(loaded.model, Qwen2VLLM)
-    assert loaded.info.architecture == "Qwen2VLForConditionalGeneration"
+def test_loader_picks_the_family(architecture: str, loaded: LoadedModel, processor: MultimodalProcessor) -> None:
+    assert type(loaded.model) is OURS[architecture]
+    assert loaded.info.architecture == architecture
     assert loaded.info.hidden_size == 64 and loaded.info.vocab_size == 49156
     assert loaded.model.rope.sections == (2, 3, 3)
     assert processor.modalities == frozenset({Modality.IMAGE}) and processor.sampling_rate == 0
 
 
 def test_prepare_expands_to_the_grid_and_gives_transformers_positions(processor: MultimodalProcessor,
-                                                                       hf: Qwen2VLForConditionalGeneration) -> None:
+                                                                       hf: PreTrainedModel) -> None:
     prompt = two_images(processor)
     media = media_of(prompt)
     grids = [tuple(s.encoder_input["image_grid_thw"][0]) for s in media.spans]
@@ -87,7 +101,7 @@ def test_prepare_expands_to_the_grid_and_gives_transformers_positions(processor:
         assert set(ids[span.start : span.end]) == {IMAGE_ID}
     assert ids.count(IMAGE_ID) == 10
     inputs = reference_inputs(prompt)
-    expected, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+    expected, delta = hf.model.get_rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
                                               image_grid_thw=inputs["image_grid_thw"])
     assert media.rope_positions is not None
     assert torch.equal(torch.tensor(media.rope_positions.prompt), expected[:, 0])
@@ -140,7 +154,7 @@ def test_items_that_cannot_be_placed_are_media_errors(processor: MultimodalProce
 
 
 def test_logits_equal_transformers_in_any_chunking(processor: MultimodalProcessor, loaded: LoadedModel,
-                                                   hf: Qwen2VLForConditionalGeneration) -> None:
+                                                   hf: PreTrainedModel) -> None:
     prompt = two_images(processor)
     with torch.inference_mode():
         expected = hf(**reference_inputs(prompt)).logits[0]  # [positions, vocab]
@@ -156,15 +170,15 @@ def test_logits_equal_transformers_in_any_chunking(processor: MultimodalProcesso
     assert (executor_logits(loaded, flat, [n])[first.end :] - expected[first.end :]).abs().max() > 1e-3
 
 
-def test_sixteen_greedy_tokens_equal_transformers(tiny_qwen2vl_dir: Path, processor: MultimodalProcessor,
-                                                  hf: Qwen2VLForConditionalGeneration) -> None:
+def test_sixteen_greedy_tokens_equal_transformers(checkpoint: Path, processor: MultimodalProcessor,
+                                                  hf: PreTrainedModel) -> None:
     prompt = two_images(processor)
     inputs = reference_inputs(prompt)
     with torch.inference_mode():
         generated = hf.generate(**inputs, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,  # type: ignore[operator]
                                 pad_token_id=0)
     expected = generated[0, len(prompt.token_ids) :].tolist()
-    engine = start(tiny_qwen2vl_dir)
+    engine = start(checkpoint)
     try:
         [got] = asyncio.run(run(engine, [request(prompt, NEW)])).values()
     finally:
@@ -181,18 +195,18 @@ def solo(path: Path, prompt: MultimodalPrompt | list[int], **engine_args: int | 
     return result
 
 
-def test_an_image_request_has_the_same_bits_on_every_route(tiny_qwen2vl_dir: Path,
+def test_an_image_request_has_the_same_bits_on_every_route(checkpoint: Path,
                                                            processor: MultimodalProcessor) -> None:
     """Alone; in one batch with a text request; prefilled in chunks of 8 tokens; again as a prefix-cache hit over
     its text and images: the same tokens and logprobs, bitwise. The text request is its solo self too."""
     prompt = two_images(processor)
     rng = random.Random(5)
     text = [rng.randrange(100, 40000) for _ in range(40)]
-    alone = solo(tiny_qwen2vl_dir, prompt, prefix_cache=False)
-    text_alone = solo(tiny_qwen2vl_dir, text, prefix_cache=False)
-    chunked = solo(tiny_qwen2vl_dir, prompt, max_batched=8, prefix_cache=False)
+    alone = solo(checkpoint, prompt, prefix_cache=False)
+    text_alone = solo(checkpoint, text, prefix_cache=False)
+    chunked = solo(checkpoint, prompt, max_batched=8, prefix_cache=False)
     assert (chunked.tokens, chunked.logprobs) == (alone.tokens, alone.logprobs)
-    engine = start(tiny_qwen2vl_dir)
+    engine = start(checkpoint)
     try:
         batched = asyncio.run(run(engine, [request(prompt, NEW, "img"), request(text, NEW, "txt")]))
         again = asyncio.run(run(engine, [request(prompt, NEW, "img2")]))["img2"]

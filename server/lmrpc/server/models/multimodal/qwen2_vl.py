@@ -1,5 +1,6 @@
-"""Qwen2-VL (`Qwen2VLForConditionalGeneration`): transformers' vision tower (patch embedding, blocks and the patch
-merger) and our Qwen2 language model with M-RoPE.
+"""Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`): transformers'
+vision tower of each (patch embedding, blocks and the patch merger; Qwen2.5-VL's with window attention) and our Qwen2
+language model with M-RoPE. Both place images alike (for images, Qwen2.5-VL's position rule is Qwen2-VL's).
 
 An image is one `<|image_pad|>` placeholder (Qwen2-VL's prompts put it between `<|vision_start|>` and
 `<|vision_end|>`), expanded to the t x h x w / merge^2 positions of its grid: the HF image processor resizes it within
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, PretrainedConfig, Qwen2VLImageProcessorPil
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, Qwen2VLImageProcessorPil
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from lmrpc.server.media.types import Media, MediaError, Modality, MultimodalProcessor, MultimodalPrompt
@@ -36,8 +38,11 @@ IMAGE_TOKEN = "<|image_pad|>"
 
 @register("Qwen2VLForConditionalGeneration")
 class Qwen2VLLM(MultimodalLM):
+    # transformers' vision tower of the family: pixel patches and their grid -> merged rows [tokens, hidden]
+    TOWER: ClassVar[type[PreTrainedModel]] = Qwen2VisionTransformerPretrainedModel
+
     def build_encoder(self, config: PretrainedConfig, weights: WeightSource) -> None:
-        tower = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
+        tower = self.TOWER._from_config(config.vision_config)
         self.visual = load_module(tower, weights, ("model.visual.", "visual."))
         self.spatial_merge = int(config.vision_config.spatial_merge_size)
 
@@ -83,6 +88,11 @@ class Qwen2VLLM(MultimodalLM):
 
     def make_processor(self, path: Path) -> MultimodalProcessor:
         return Qwen2VLPromptProcessor(type(self), self.hf_config, Qwen2VLImages(path), self.shape.hidden)
+
+
+@register("Qwen2_5_VLForConditionalGeneration")
+class Qwen2_5_VLLM(Qwen2VLLM):
+    TOWER = Qwen2_5_VisionTransformerPretrainedModel
 
 
 class Qwen2VLImages:
