@@ -38,13 +38,14 @@ IMAGE_TOKEN = "<|image_pad|>"
 
 @register("Qwen2VLForConditionalGeneration")
 class Qwen2VLLM(MultimodalLM):
+    """Our Qwen2 with M-RoPE (its config's mrope_section) and the family's vision tower, loaded from the checkpoint."""
+
     # transformers' vision tower of the family: pixel patches and their grid -> merged rows [tokens, hidden]
     TOWER: ClassVar[type[PreTrainedModel]] = Qwen2VisionTransformerPretrainedModel
 
     def build_encoder(self, config: PretrainedConfig, weights: WeightSource) -> None:
         tower = self.TOWER._from_config(config.vision_config)
         self.visual = load_module(tower, weights, ("model.visual.", "visual."))
-        self.spatial_merge = int(config.vision_config.spatial_merge_size)
 
     def run_encoder(self, inputs: EncoderInput) -> torch.Tensor:
         pixels = torch.from_numpy(np.ascontiguousarray(inputs["pixel_values"], dtype=np.float32))  # [patches, width]
@@ -92,6 +93,8 @@ class Qwen2VLLM(MultimodalLM):
 
 @register("Qwen2_5_VLForConditionalGeneration")
 class Qwen2_5_VLLM(Qwen2VLLM):
+    """Qwen2.5-VL: the same language side and placement, its own tower (window attention, RMSNorm, gated MLP)."""
+
     TOWER = Qwen2_5_VisionTransformerPretrainedModel
 
 
