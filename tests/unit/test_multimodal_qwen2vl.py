@@ -3,7 +3,8 @@ with M-RoPE), each: the loader picks our family; `prepare` expands `<|image_pad|
 min/max pixels) and gives the prompt's M-RoPE positions, those of transformers' `get_rope_index`; our executor's
 logits of a two-image prompt equal transformers' within 1e-4 in float32 (bitwise alike when chunked inside an image),
 the engine's 16 greedy tokens equal transformers'; an image request alone = batched with a text request = chunked
-prefill = prefix-cache hit, bitwise; items that cannot be placed are MediaErrors naming them."""
+prefill = prefix-cache hit = preempted and recomputed, bitwise; items that cannot be placed are MediaErrors naming
+them."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from multimodal_run import Result, executor_logits, hf_inputs, image, request, run, start
+from multimodal_run import PAGE, Result, executor_logits, hf_inputs, image, request, run, start
 from tiny_qwen2vl import FAMILIES
 from transformers import PreTrainedModel
 
 from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
+from lmrpc.server.engine.sequence import Sequence
 from lmrpc.server.media.types import Media, MediaError, MediaOptions, Modality, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.models.loader import LoadedModel, load_model
 from lmrpc.server.models.multimodal.qwen2_vl import Qwen2_5_VLLM, Qwen2VLLM
@@ -216,3 +218,35 @@ def test_an_image_request_has_the_same_bits_on_every_route(checkpoint: Path,
     assert (batched["txt"].tokens, batched["txt"].logprobs) == (text_alone.tokens, text_alone.logprobs)
     assert again.cached_tokens >= 16  # whole pages, the first image among them
     assert (again.tokens, again.logprobs) == (alone.tokens, alone.logprobs)
+
+
+def test_preempted_image_requests_recompute_to_the_same_bits(checkpoint: Path,
+                                                             processor: MultimodalProcessor) -> None:
+    """Three image requests of 2 pages each in a pool of 4: some are preempted and recomputed, their generated tokens
+    then prefilled at M-RoPE positions past the prompt (position + delta); each output equals its run in a pool
+    that holds them all."""
+    prompts = [processor.prepare(f"Look at {IMAGE} number {i}", [image(10 + i, width=90, height=60)])
+               for i in range(3)]
+    requests = [request(p, NEW, f"img{i}") for i, p in enumerate(prompts)]
+    roomy = start(checkpoint, prefix_cache=False)
+    try:
+        expected = asyncio.run(run(roomy, requests))
+    finally:
+        roomy.shutdown()
+    tight = start(checkpoint, kv_tokens=4 * PAGE, prefix_cache=False)
+    scheduler = tight.engine.scheduler
+    preempted: list[str] = []
+    preempt = scheduler._preempt
+
+    def recording_preempt(seq: Sequence) -> None:
+        preempted.append(seq.request_id)
+        preempt(seq)
+
+    scheduler._preempt = recording_preempt  # type: ignore[method-assign]
+    try:
+        got = asyncio.run(run(tight, requests))
+    finally:
+        tight.shutdown()
+    assert preempted
+    assert {r: (g.tokens, g.logprobs) for r, g in got.items()} == {r: (e.tokens, e.logprobs)
+                                                                    for r, e in expected.items()}
