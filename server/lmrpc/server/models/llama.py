@@ -269,10 +269,11 @@ class LlamaForCausalLM:
         if (self._stack is not None and ctx.attention is self._stack.backend
                 and all(group.stack is not None for group in lora)):
             plan = ctx.plan
-            rope = plan.rope  # M-RoPE steps: the tokens' own rows; else the stack's tables at their positions
-            return self._stack.stack.forward(x, plan.rope_index, plan.slots, plan.block_table, plan.token_seq,
-                                             plan.token_ctx, [(group.rows, group.stack) for group in lora],
-                                             None if rope is None else rope.cos, None if rope is None else rope.sin)
+            args = (x, plan.rope_index, plan.slots, plan.block_table, plan.token_seq, plan.token_ctx,
+                    [(group.rows, group.stack) for group in lora])
+            if plan.rope is None:  # the stack's own tables at the tokens' positions
+                return self._stack.stack.forward(*args)
+            return self._stack.stack.forward(*args, rope_cos=plan.rope.cos, rope_sin=plan.rope.sin)  # M-RoPE rows
         for layer in self.layers:
             x = layer(x, ctx, self.shape.eps, lora)
         return x
