@@ -1,5 +1,5 @@
 """Shared fixtures: the real tokenizer (from the default GGUF), a tiny random-weight Llama, tiny random-weight
-mixture-of-experts and multimodal (LLaVA, Qwen2-Audio) checkpoints, the real model."""
+mixture-of-experts and multimodal (LLaVA, Qwen2-Audio, Qwen2-VL) checkpoints, the real model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny_moe import save_tiny_moe
 from tiny_multimodal import save_tiny_llava, save_tiny_qwen2_audio
+from tiny_qwen2vl import save_tiny_qwen2vl
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from lmrpc.server.models.loader import default_gguf
@@ -58,3 +59,18 @@ def tiny_qwen2_audio_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_token
                          ) -> Path:
     """A tiny random Qwen2-Audio (Whisper-like encoder, one-second clips, Qwen2 text side) with its HF processor."""
     return save_tiny_qwen2_audio(tmp_path_factory.mktemp("tiny-qwen2-audio"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
+    """A tiny random Qwen2-VL (M-RoPE text model, 1-block vision tower) with SmolLM2's tokenizer plus the Qwen2-VL
+    special tokens, and its image processor, saved as an HF directory."""
+    return save_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2vl"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase
+                        ) -> Path:
+    """The same as tiny_qwen2vl_dir for Qwen2.5-VL (its vision tower: window attention, RMSNorm, gated MLP)."""
+    return save_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), smollm2_tokenizer,
+                             architecture="Qwen2_5_VLForConditionalGeneration")

@@ -50,7 +50,7 @@ class PagedTorchAttention:
     def __init__(self, shape: AttentionShape, rope: Rope, dtype: torch.dtype, device: torch.device, num_pages: int,
                  page_size: int, kernel: AttentionKernel = torch_reference, paged_layout: bool = False) -> None:
         self.shape = shape
-        self.rope = Rope(rope.cos.to(device), rope.sin.to(device))
+        self.rope = Rope(rope.cos.to(device), rope.sin.to(device), rope.sections)
         self.dtype = dtype
         self.device = device
         self.num_pages = num_pages
@@ -62,11 +62,15 @@ class PagedTorchAttention:
         self.cache = torch.zeros(s.layers, 2, num_pages * page_size, s.kv_heads, s.head_dim, dtype=dtype,
                                  device=device)
 
-    def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor) -> TorchPlan:
+    def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor,
+             rope_positions: torch.Tensor | None = None) -> TorchPlan:
         meta = build_metadata(
             [(c.start, c.num_tokens, torch.tensor(c.pages, dtype=torch.int64)) for c in chunks], self.page_size,
             self.device, paged_layout=self.paged_layout,
         )
+        if rope_positions is not None:  # M-RoPE: each token's own rows
+            rows = self.rope.rows(rope_positions.to(self.device))
+            return TorchPlan(meta, rows.cos.unsqueeze(1), rows.sin.unsqueeze(1))
         positions = positions.to(self.device)
         return TorchPlan(meta, self.rope.cos[positions].unsqueeze(1), self.rope.sin[positions].unsqueeze(1))
 

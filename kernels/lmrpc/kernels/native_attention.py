@@ -24,6 +24,9 @@ class NativePlan:
     """One step's metadata for the native kernels."""
 
     positions: torch.Tensor  # [T] int64 position of each token
+    # [T] int64 row of the rope tables each token rotates by: its position, or its own row of `rope` (M-RoPE)
+    rope_index: torch.Tensor
+    rope: Rope | None  # M-RoPE steps: per-token rows cos/sin [T, head_dim]; None: the backend's tables
     slots: torch.Tensor  # [T] int64 page * page_size + offset where each token's key and value go
     block_table: torch.Tensor  # [sequences, width] int32 page ids (rows padded with page 0)
     token_seq: torch.Tensor  # [T] int32 row of block_table of each token
@@ -48,7 +51,8 @@ class NativeAttention:
         self.keys = torch.zeros(s.layers, num_pages, s.kv_heads, s.head_dim, page_size, dtype=dtype)
         self.values = torch.zeros(s.layers, num_pages, s.kv_heads, page_size, s.head_dim, dtype=dtype)
 
-    def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor) -> NativePlan:
+    def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor,
+             rope_positions: torch.Tensor | None = None) -> NativePlan:
         p = self.page_size
         width = max(len(c.pages) for c in chunks)
         table = torch.zeros(len(chunks), width, dtype=torch.int32)
@@ -58,8 +62,12 @@ class NativeAttention:
             table[i, : len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
             slots.extend(c.pages[q // p] * p + q % p for q in range(c.start, c.start + c.num_tokens))
             token_seq.extend([i] * c.num_tokens)
+        # M-RoPE: each token's rows gathered once per step (every layer reads them), indexed by token
+        rope = None if rope_positions is None else self.rope.rows(rope_positions)
         return NativePlan(
             positions=positions,
+            rope_index=positions if rope is None else torch.arange(len(positions), dtype=torch.int64),
+            rope=rope,
             slots=torch.tensor(slots, dtype=torch.int64),
             block_table=table,
             token_seq=torch.tensor(token_seq, dtype=torch.int32),
@@ -71,7 +79,8 @@ class NativeAttention:
         t = qkv.shape[0]
         q = torch.empty(t, s.heads, s.head_dim)  # [T, heads, head_dim] rotated queries
         keys, values = self.keys[layer], self.values[layer]
-        self._ops.rope_store(qkv, s.heads, plan.positions, self.rope.cos, self.rope.sin,
+        rope = plan.rope or self.rope
+        self._ops.rope_store(qkv, s.heads, plan.rope_index, rope.cos, rope.sin,
                              None if qk_norm is None else qk_norm.q, None if qk_norm is None else qk_norm.k,
                              s.qk_norm_eps, plan.slots, keys, values, q)
         out = torch.empty(t, s.heads * s.head_dim)  # [T, heads * head_dim]

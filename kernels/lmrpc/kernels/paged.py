@@ -45,10 +45,30 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class Rope:
-    """Rotary tables: position p rotates x into x * cos[p] + rotate_half(x) * sin[p] (sin stored signed)."""
+    """Rotary tables: position p rotates x into x * cos[p] + rotate_half(x) * sin[p] (sin stored signed).
+
+    M-RoPE (Qwen2-VL): a token has three positions (temporal, height, width), and the rotary frequencies are split
+    into `sections` (frequency pairs per part, in order; part i reads component i % 3, as in the first half so in the
+    second). A token's row then takes each column from the table row of its component's position (`rows`): only
+    copies of table values, so its bits depend on its three positions alone, whatever the step's route. A token with
+    three equal positions p gets exactly row p: 1-D positions are the special case."""
 
     cos: torch.Tensor  # [max_positions, head_dim] float32
     sin: torch.Tensor  # [max_positions, head_dim] float32, first half negated (rotate_half folded in)
+    sections: tuple[int, ...] = ()  # M-RoPE's frequency pairs per part (sum head_dim / 2); () for 1-D RoPE
+
+    def __post_init__(self) -> None:
+        assert not self.sections or 2 * sum(self.sections) == self.cos.shape[-1], "M-RoPE sections: head_dim / 2"
+
+    def rows(self, positions: torch.Tensor) -> Rope:
+        """positions [3, T] int64 (temporal, height, width) -> the tokens' own tables: cos, sin [T, head_dim]
+        float32, row t for token t (already gathered, so no sections)."""
+        assert self.sections, "3-component positions need an M-RoPE table"
+        component = torch.tensor([i % 3 for i, n in enumerate(self.sections) for _ in range(n)] * 2,
+                                 device=positions.device)  # [head_dim]: which position each column reads
+        index = positions.index_select(0, component).T  # [T, head_dim]: the table row of each column
+        cols = torch.arange(self.cos.shape[-1], device=positions.device)  # [head_dim]
+        return Rope(self.cos[index, cols].contiguous(), self.sin[index, cols].contiguous())
 
 
 @dataclass(frozen=True)
@@ -66,8 +86,11 @@ class AttentionBackend(Protocol):
     page_size: int  # positions per page
     dtype: torch.dtype  # what the cache stores
 
-    def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor) -> Any:
-        """Per-step metadata from the step's chunks (decodes first) and the flat positions [T] int64."""
+    def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor,
+             rope_positions: torch.Tensor | None = None) -> Any:
+        """Per-step metadata from the step's chunks (decodes first) and the flat positions [T] int64 (the cache's).
+        rope_positions [3, T] int64: the M-RoPE positions tokens rotate by (models whose Rope has sections, when a
+        request in the step has them); None: each token rotates by its position."""
         ...
 
     def __call__(self, layer: int, qkv: torch.Tensor, plan: Any, qk_norm: QKNorm | None) -> torch.Tensor:

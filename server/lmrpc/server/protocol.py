@@ -162,10 +162,35 @@ class MediaSpan:
 
 
 @dataclass(frozen=True)
+class RopePositions:
+    """A prompt's multimodal rotary positions (M-RoPE, Qwen2-VL): three per token, temporal, height and width. An
+    image's tokens lie on its grid; a text token has three equal positions, one more than the largest before it.
+    Only the rotation reads them: the KV cache keeps every token at its ordinary index."""
+
+    prompt: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # [3][prompt_len]: temporal, height, width
+    # a position p past the prompt (generated, or recomputed after preemption) rotates by p + delta in all three:
+    # max(prompt) + 1 - prompt_len (<= 0: an image's grid takes fewer positions than it has tokens)
+    delta: int
+
+    def __post_init__(self) -> None:
+        assert len(self.prompt) == 3 and len({len(c) for c in self.prompt}) == 1, "three equally long components"
+
+    def span(self, start: int, end: int) -> tuple[list[int], list[int], list[int]]:
+        """The three components of positions [start, end)."""
+        cut = min(end, len(self.prompt[0]))
+        after = list(range(max(start, cut) + self.delta, end + self.delta))
+        t, h, w = (list(c[start:cut]) + after for c in self.prompt)
+        return t, h, w
+
+
+@dataclass(frozen=True)
 class PromptMedia:
     """A prompt's images and audio clips (MultimodalPrompt.engine_media): the spans their rows replace."""
 
     spans: tuple[MediaSpan, ...]  # in position order, disjoint
+    # M-RoPE models (Qwen2-VL): where each prompt token rotates, given where the items lie (models/mrope.py); None:
+    # each token at its position, three times over (as every prompt of other models)
+    rope_positions: RopePositions | None = None
 
     def __post_init__(self) -> None:
         assert all(a.end <= b.start for a, b in zip(self.spans, self.spans[1:], strict=False)), "ordered, disjoint"

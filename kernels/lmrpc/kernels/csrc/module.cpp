@@ -44,7 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("eps"), py::arg("qk_eps"), py::arg("scale"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("slots"),
            py::arg("block_table"), py::arg("token_seq"), py::arg("token_ctx"),
-           py::arg("lora") = std::vector<StackGroup>{}, py::call_guard<py::gil_scoped_release>());
+           py::arg("lora") = std::vector<StackGroup>{}, py::arg("rope_cos") = py::none(),
+           py::arg("rope_sin") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("rope_store", &rope_store, py::arg("qkv"), py::arg("heads"), py::arg("positions"), py::arg("cos"),
         py::arg("sin"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("slots"), py::arg("keys"),
         py::arg("values"), py::arg("q_out"), py::call_guard<py::gil_scoped_release>());

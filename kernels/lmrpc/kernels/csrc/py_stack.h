@@ -73,9 +73,15 @@ class DecoderStack {
 
   // x [T, hidden] float32 (updated in place: the residual stream) -> x after every layer. lora: the step's rows
   // under adapters, grouped by adapter (disjoint groups): each product of those rows gets its adapter's delta.
+  // positions [T]: the row of the rope tables each token rotates by; rope_cos/rope_sin, when given, are the step's
+  // own tables (M-RoPE: one row per token, positions = arange(T)) in place of the model's.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& block_table,
                      const at::Tensor& token_seq, const at::Tensor& token_ctx,
-                     const std::vector<StackGroup>& lora) const {
+                     const std::vector<StackGroup>& lora, const std::optional<at::Tensor>& rope_cos,
+                     const std::optional<at::Tensor>& rope_sin) const {
+    TORCH_CHECK(rope_cos.has_value() == rope_sin.has_value(), "rope_cos and rope_sin: both or neither");
+    const at::Tensor& cos = rope_cos.has_value() ? *rope_cos : cos_;
+    const at::Tensor& sin = rope_sin.has_value() ? *rope_sin : sin_;
     TORCH_CHECK(x.is_contiguous(), "x: contiguous [T, hidden]");
     const int64_t t = x.size(0), head_dim = keys_.size(3);
     // Scratch of one layer, reused by the next (every layer has the same widths).
@@ -88,7 +94,7 @@ class DecoderStack {
       const StackLayer& l = layers_[i];
       project(deltas, i, 0, *l.qkv, x, &l.input_norm, eps_, false, nullptr, qkv);
       at::Tensor keys = keys_.select(0, static_cast<int64_t>(i)), values = values_.select(0, static_cast<int64_t>(i));
-      rope_store(qkv, heads_, positions, cos_, sin_, l.q_norm, l.k_norm, qk_eps_, slots, keys, values, q);
+      rope_store(qkv, heads_, positions, cos, sin, l.q_norm, l.k_norm, qk_eps_, slots, keys, values, q);
       paged_attention(q, keys, values, block_table, token_seq, token_ctx, scale_, attn);
       project(deltas, i, 1, *l.o, attn, nullptr, 0.0, false, &x, x);
       project(deltas, i, 2, *l.gate_up, x, &l.post_attention_norm, eps_, false, nullptr, gate_up);

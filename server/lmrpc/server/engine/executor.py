@@ -114,14 +114,16 @@ class ModelExecutor:
         chunks = [ChunkSpec(c.start, c.num_tokens, c.seq.page_table) for c in batch.chunks]
         lora = _adapter_groups(batch, self.device)
         embedded = any(_embedded_span(c)[1] or media_rows.chunk_has_media(c) for c in batch.chunks)
-        # A captured graph gives logits only: steps that need embeddings in, hidden states or routing out run eagerly.
-        extras = embedded or any(c.seq.request.hidden_states is not None
+        rope_positions = _rope_positions(batch)  # [3, T] when a request has M-RoPE positions
+        # A captured graph gives logits only: steps that need embeddings or M-RoPE positions in, hidden states or
+        # routing out run eagerly.
+        extras = embedded or rope_positions is not None or any(c.seq.request.hidden_states is not None
                                  or c.seq.request.routed_experts_from is not None for c in batch.chunks)
         if (self.graphs is not None and not lora and not extras and len(ids) == len(chunks)
                 and self.graphs.bucket_for(len(ids)) is not None):
             return ForwardOutput(self.graphs.run(ids, chunks), ())  # decodes only: a captured graph
         position_tensor = torch.tensor(positions, dtype=torch.int64)
-        ctx = ForwardContext(self.attention, self.attention.plan(chunks, position_tensor))
+        ctx = ForwardContext(self.attention, self.attention.plan(chunks, position_tensor, rope_positions))
         id_tensor = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
         inputs = self._input_embeds(batch, id_tensor) if embedded else None  # [T, hidden]
         routed: tuple[RoutedRows, ...] = ()
@@ -234,6 +236,23 @@ def _routed_rows(batch: ScheduledBatch, experts: torch.Tensor) -> tuple[RoutedRo
             out.append(RoutedRows(c.seq, c.start, experts[row : row + c.num_tokens].cpu()))
         row += c.num_tokens
     return tuple(out)
+
+
+def _rope_positions(batch: ScheduledBatch) -> torch.Tensor | None:
+    """The step's M-RoPE positions [3, T] int64 (temporal, height, width) when a request has them (a prompt with
+    images, in Qwen2-VL), else None: every token then rotates by its position, which is what its three equal
+    positions would give (so the step's other requests get the same rows either way)."""
+    rope = [None if c.seq.request.prompt_media is None else c.seq.request.prompt_media.rope_positions
+            for c in batch.chunks]
+    if all(r is None for r in rope):
+        return None
+    parts: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for c, r in zip(batch.chunks, rope, strict=True):
+        end = c.start + c.num_tokens
+        span = r.span(c.start, end) if r is not None else (list(range(c.start, end)),) * 3
+        for part, values in zip(parts, span, strict=True):
+            part.extend(values)
+    return torch.tensor(parts, dtype=torch.int64)
 
 
 def _embedded_span(c: ScheduledChunk) -> tuple[int, int]:

@@ -66,6 +66,6 @@ def register(*architectures: str) -> Callable[[ModelT], ModelT]:
 def load_registry() -> dict[str, type[Any]]:
     """Import every model module (registering it) and return the registry."""
     from lmrpc.server.models import llama, moe  # noqa: F401  (register on import)
-    from lmrpc.server.models.multimodal import llava, qwen2_audio  # noqa: F401  (register on import)
+    from lmrpc.server.models.multimodal import llava, qwen2_audio, qwen2_vl  # noqa: F401  (register on import)
 
     return REGISTRY

@@ -30,8 +30,10 @@ class TokenSlots:
         self.device = device
         self.tokens = torch.zeros(num_pages * page_size, dtype=torch.int64, device=device)  # [slots]
 
-    def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor) -> AttentionMetadata:
+    def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor,
+             rope_positions: torch.Tensor | None = None) -> AttentionMetadata:
         del positions  # contexts are re-run from position 0
+        assert rope_positions is None, "M-RoPE positions come only from multimodal families, never served here"
         return build_metadata([(c.start, c.num_tokens, torch.tensor(c.pages, dtype=torch.int64)) for c in chunks],
                               self.page_size, self.device)
 

@@ -58,7 +58,8 @@ class LlamaShape:
 
 
 def rope_tables(config: PretrainedConfig, max_positions: int) -> Rope:
-    """RoPE tables for any rope type transformers knows (float32, sin signed: see torch_attention.apply_rope)."""
+    """RoPE tables for any rope type transformers knows (float32, sin signed: see torch_attention.apply_rope), with
+    the config's M-RoPE sections where it has them (Qwen2-VL's `mrope_section`: see paged.Rope)."""
     params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
@@ -73,7 +74,8 @@ def rope_tables(config: PretrainedConfig, max_positions: int) -> Rope:
     sin = angles.sin() * scale
     half = sin.shape[-1] // 2
     signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate_half folded into the table
-    return Rope((angles.cos() * scale).contiguous(), signed.contiguous())
+    sections = tuple(int(n) for n in params.get("mrope_section") or ())
+    return Rope((angles.cos() * scale).contiguous(), signed.contiguous(), sections)
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ class _NativeStack:
     """The native decoder stack and the attention backend whose caches it was built over."""
 
     backend: NativeAttention  # forwards with this backend's plan may use the stack
-    stack: Any  # native DecoderStack: forward(x, positions, slots, block_table, token_seq, token_ctx)
+    # native DecoderStack: forward(x, rope_index, slots, block_table, token_seq, token_ctx, lora, rope_cos, rope_sin)
+    stack: Any
 
 
 @dataclass(frozen=True)
@@ -266,8 +269,11 @@ class LlamaForCausalLM:
         if (self._stack is not None and ctx.attention is self._stack.backend
                 and all(group.stack is not None for group in lora)):
             plan = ctx.plan
-            return self._stack.stack.forward(x, plan.positions, plan.slots, plan.block_table, plan.token_seq,
-                                             plan.token_ctx, [(group.rows, group.stack) for group in lora])
+            args = (x, plan.rope_index, plan.slots, plan.block_table, plan.token_seq, plan.token_ctx,
+                    [(group.rows, group.stack) for group in lora])
+            if plan.rope is None:  # the stack's own tables at the tokens' positions
+                return self._stack.stack.forward(*args)
+            return self._stack.stack.forward(*args, rope_cos=plan.rope.cos, rope_sin=plan.rope.sin)  # M-RoPE rows
         for layer in self.layers:
             x = layer(x, ctx, self.shape.eps, lora)
         return x
