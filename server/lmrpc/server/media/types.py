@@ -79,6 +79,10 @@ class MultimodalProcessor(Protocol):
     # which modalities the model takes; a request with another one is INVALID_ARGUMENT naming the field
     modalities: frozenset[Modality]
     sampling_rate: int  # audio models: the rate the decoder resamples clips to (0 for image-only models)
+    # what a prompt writes for one item of each modality (the placeholder token with the model's markers around it,
+    # e.g. "<image>", "<|vision_start|><|image_pad|><|vision_end|>"): ChatComplete writes it for a media part where
+    # the chat template renders text only
+    placeholders: Mapping[Modality, str]
 
     def prepare(self, prompt: str | Sequence[int], media: Sequence[Media]) -> MultimodalPrompt:
         """Expand the prompt's image/audio placeholder tokens for the items (in order) and place them. Raises

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -96,14 +96,12 @@ async def plan(req: openai_pb2.ChatCompleteRequest, frontend: Frontend, template
 
 
 def _placeholders(processor: MultimodalProcessor | None) -> dict[str, str] | None:
-    """The model's placeholder text per media part type, for templates that render content as text only. Read
-    from the processor's optional `placeholders` (Modality -> text, e.g. Qwen2-VL's image:
-    "<|vision_start|><|image_pad|><|vision_end|>"); None when it names none."""
-    named: Mapping[Modality, str] | None = getattr(processor, "placeholders", None)
-    if not named:
+    """The model's placeholder text per media part type, for templates that render content as text only; None for a
+    text-only model."""
+    if processor is None:
         return None
     by_part = {"image_url": Modality.IMAGE, "input_audio": Modality.AUDIO}
-    return {part: named[m] for part, m in by_part.items() if m in named}
+    return {part: processor.placeholders[m] for part, m in by_part.items() if m in processor.placeholders}
 
 
 def _tool_constraint(options: rules.ChatOptions) -> rules.ConstraintRequest | None:

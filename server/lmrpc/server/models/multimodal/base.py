@@ -86,6 +86,14 @@ class Placeholder:
     modality: Modality  # which items it stands for
     token: str  # its text, e.g. "<image>"
     token_id: int  # its id
+    # what a prompt writes for one item: the token with the model's markers around it, e.g. Qwen2-VL's
+    # "<|vision_start|><|image_pad|><|vision_end|>" (ChatComplete writes it where a template renders text only)
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.text:
+            object.__setattr__(self, "text", self.token)
+        assert self.token in self.text
 
 
 class MultimodalLM(LlamaForCausalLM):

@@ -8,7 +8,7 @@ engine fills with the items' rows. No torch model work: the encoder runs on the 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,6 +36,7 @@ class MediaPromptProcessor:
         self._lock = threading.Lock()  # HF processors keep state (tokenizer truncation settings) while they run
         self._placeholders = {p.modality: p for p in family.placeholders(config, hf_processor)}
         self.modalities: frozenset[Modality] = frozenset(self._placeholders)
+        self.placeholders: Mapping[Modality, str] = {m: p.text for m, p in self._placeholders.items()}
         self.sampling_rate: int = family.sampling_rate(hf_processor)
 
     def prepare(self, prompt: str | Sequence[int], media: Sequence[Media]) -> MultimodalPrompt:

@@ -66,7 +66,9 @@ class Qwen2AudioLM(MultimodalLM):
     @classmethod
     def placeholders(cls, config: PretrainedConfig, hf_processor: object) -> tuple[Placeholder, ...]:
         token = str(getattr(hf_processor, "audio_token", "<|AUDIO|>"))
-        return (Placeholder(Modality.AUDIO, token, int(config.audio_token_index)),)
+        bos = str(getattr(hf_processor, "audio_bos_token", "<|audio_bos|>"))
+        eos = str(getattr(hf_processor, "audio_eos_token", "<|audio_eos|>"))
+        return (Placeholder(Modality.AUDIO, token, int(config.audio_token_index), f"{bos}{token}{eos}"),)
 
     @classmethod
     def sampling_rate(cls, hf_processor: object) -> int:

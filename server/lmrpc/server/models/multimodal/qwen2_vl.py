@@ -74,7 +74,8 @@ class Qwen2VLLM(MultimodalLM):
 
     @classmethod
     def placeholders(cls, config: PretrainedConfig, hf_processor: object) -> tuple[Placeholder, ...]:
-        return (Placeholder(Modality.IMAGE, IMAGE_TOKEN, int(config.image_token_id)),)
+        return (Placeholder(Modality.IMAGE, IMAGE_TOKEN, int(config.image_token_id),
+                            f"<|vision_start|>{IMAGE_TOKEN}<|vision_end|>"),)
 
     @classmethod
     def processor_kwargs(cls, media: Media) -> dict[str, Any]:
