@@ -87,7 +87,7 @@ echo "ok"
 
 stage "pytest -m 'not gpu' (timeout ${PER_TEST_TIMEOUT}s per test)"
 set +e
-"$BIN/pytest" -m "not gpu" --timeout="$PER_TEST_TIMEOUT" -q -rfEs "$@"
+"$BIN/pytest" -m "not gpu" --timeout="$PER_TEST_TIMEOUT" -q -rfEs --durations=15 "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
