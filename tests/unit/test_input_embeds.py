@@ -14,10 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from inprocess_service import engine_config, running_engine, served
 from safetensors.torch import load_file
+from status_details import violations
 
 from lmrpc.kernels import native
 from lmrpc.server.config import EngineConfig
@@ -133,17 +132,6 @@ async def test_real_model_as_served_by_default() -> None:
         assert len(by_ids[0]) == NEW and by_rows[:2] == by_ids[:2]
     finally:
         engine.shutdown()
-
-
-def violations(err: grpc.aio.AioRpcError) -> dict[str, str]:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None
-    out = {}
-    for detail in status.details:
-        bad = error_details_pb2.BadRequest()
-        assert detail.Unpack(bad)
-        out.update({v.field: v.description for v in bad.field_violations})
-    return out
 
 
 async def test_bad_embeddings_are_invalid_argument_naming_the_field(tiny: tuple[AsyncEngine, EngineConfig],

@@ -12,10 +12,9 @@ from typing import Any, cast
 import grpc
 import pytest
 from fake_engine import FakeEngine, serving
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from media_fixtures import Loopback, clip, closed_port, data_uri, encoded, loopback
 from scripted_engine import Scripted, ScriptedEngine, serving_openai
+from status_details import violations
 from transformers import PreTrainedTokenizerBase
 
 from lmrpc.server.config import EngineConfig, MediaConfig, SchedulerConfig, ServerConfig
@@ -99,17 +98,6 @@ def request(*items: generate_pb2.MediaItem, ids: Sequence[int] = (1, IMG, 2),
     if audio:
         req.audio_data.add().items.extend(audio)
     return req
-
-
-def violations(err: grpc.aio.AioRpcError) -> dict[str, str]:
-    status = rpc_status.from_call(err)
-    assert status is not None
-    out = {}
-    for detail in status.details:
-        bad = error_details_pb2.BadRequest()
-        assert detail.Unpack(bad)
-        out.update({v.field: v.description for v in bad.field_violations})
-    return out
 
 
 async def refused(stub: generate_pb2_grpc.GenerateServiceStub, req: generate_pb2.GenerateRequest,
