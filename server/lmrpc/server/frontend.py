@@ -100,6 +100,13 @@ class Frontend:
         """The loaded model's multimodal processor; None for a text-only model."""
         return self.engine.media_processor
 
+    def check_media_items(self, items: Sequence[Sequence[ingest.WireItem]]) -> None:
+        """Each prompt's items are of kinds the model takes, and at most --max-media-items: refused before anything is
+        fetched, decoded or rendered."""
+        processor = self.multimodal_processor()
+        validation.check_media_items(items, processor.modalities if processor is not None else frozenset(),
+                                     self.engine.model_info.architecture, self.server_config.media.max_media_items)
+
     async def prepare_media(self, prompts: Sequence[Sequence[int]], items: Sequence[Sequence[ingest.WireItem]]
                             ) -> list[MultimodalPrompt | None]:
         """Each prompt with its media items placed by the model's processor (None for a prompt without items).
@@ -108,13 +115,11 @@ class Frontend:
         item (validation.media_error)."""
         if not any(items):
             return [None] * len(prompts)
+        self.check_media_items(items)
         processor = self.multimodal_processor()
-        info = self.engine.model_info
-        config = self.server_config.media
-        validation.check_media_items(items, processor.modalities if processor is not None else frozenset(),
-                                     info.architecture, config.max_media_items)
         assert processor is not None, "check_media_items refuses media on a model without a processor"
-        model = ingest.ModelMedia(sampling_rate=processor.sampling_rate, hidden_size=info.hidden_size)
+        config = self.server_config.media
+        model = ingest.ModelMedia(sampling_rate=processor.sampling_rate, hidden_size=self.engine.model_info.hidden_size)
         try:
             media = await ingest.ingest(items, config, model)
             return await asyncio.to_thread(

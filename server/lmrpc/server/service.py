@@ -107,7 +107,6 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
     # ---- request building --------------------------------------------------------------------------------------
 
     async def _build(self, req: generate_pb2.GenerateRequest, default_rid: str | None) -> list[EngineRequest]:
-        validation.check_unbuilt(req)
         num_prompts = validation.check_shape(req)
         validation.check_media_shape(req, num_prompts)
         info = self.engine.model_info

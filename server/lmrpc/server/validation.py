@@ -1,5 +1,5 @@
 """User-error rules and their one mapping to gRPC statuses. Rules collect typed violations; `to_status` maps them to a
-status with google.rpc.BadRequest field violations (INVALID_ARGUMENT; UNIMPLEMENTED for features not built yet;
+status with google.rpc.BadRequest field violations (INVALID_ARGUMENT;
 NOT_FOUND for an unknown model or LoRA adapter; PERMISSION_DENIED for an adapter path outside --lora-root, or a
 media URL or path the --allowed-media-domains/--allowed-local-media-path flags do not allow; UNAVAILABLE for a media
 URL that cannot be reached;
@@ -37,8 +37,6 @@ if TYPE_CHECKING:
 ExtrasRequest = Union[  # noqa: UP007 (runtime alias)
     generate_pb2.GenerateRequest, openai_pb2.CompleteRequest, openai_pb2.ChatCompleteRequest]
 MAX_TOP_LOGPROBS = 20
-# Request fields of features not built yet: using one is answered UNIMPLEMENTED, never ignored.
-UNBUILT_FIELDS: tuple[str, ...] = ()
 _SOURCE_CODES = {
     SourceErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     SourceErrorKind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
@@ -128,13 +126,6 @@ class Collector:
     def raise_if_any(self, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
         if self.violations:
             raise RequestError(code, self.violations)
-
-
-def check_unbuilt(req: generate_pb2.GenerateRequest) -> None:
-    c = Collector()
-    for name in UNBUILT_FIELDS:
-        c.check(not getattr(req, name), name, "not supported yet by this server")
-    c.raise_if_any(grpc.StatusCode.UNIMPLEMENTED)
 
 
 def check_shape(req: generate_pb2.GenerateRequest) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from lmrpc.server.config import EngineConfig
-from lmrpc.server.engine import hidden_states, routed_experts
+from lmrpc.server.engine import hidden_states, media_rows, routed_experts
 from lmrpc.server.engine.detokenizer import OutputProcessor, decode_token
 from lmrpc.server.engine.executor import ForwardOutput, HiddenRows, ModelExecutor, PromptLogits
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
@@ -241,14 +241,9 @@ class Engine:
             message = f"this model takes embeddings of width {self.info.hidden_size} only from a native model"
             sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
             return
-        media = request.prompt_media
-        if media is not None and (not self.info.accepts_embeddings or any(
-                (s.encoder_input is not None and not hasattr(self.executor.model, "encode_media"))
-                or (s.rows is not None and len(s.rows) != s.length * self.info.hidden_size * 4)
-                or s.end > len(request.prompt_ids) for s in media.spans)):
-            # The service only builds prompt_media with the model's own processor; an in-process caller gets this.
-            message = "this model takes no such images or audio (no encoder, or rows of another width)"
-            sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
+        refused = media_rows.refusal(request, self.executor.model, self.info)
+        if refused is not None:  # the service only builds prompt_media with the model's own processor
+            sink(_final(request, Finish(FinishReason.ERROR, message=refused), seq))
             return
         live = LiveRequest(
             seq=seq,

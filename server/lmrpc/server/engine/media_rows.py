@@ -15,13 +15,27 @@ import numpy as np
 import torch
 
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, Sequence
-from lmrpc.server.protocol import MediaSpan
+from lmrpc.server.protocol import EngineRequest, MediaSpan, ModelInfo
 
 
 class MediaEncoder(Protocol):
     """What a multimodal model offers the executor (models.multimodal.base.MultimodalLM)."""
 
     def encode_media(self, span: MediaSpan) -> torch.Tensor: ...  # one item -> its rows [span.length, hidden] float32
+
+
+def refusal(request: EngineRequest, model: object, info: ModelInfo) -> str | None:
+    """Why the engine cannot run this request's media (an in-process caller's, not the model's processor's): no
+    encoder for its items, rows of another width, or a span past the prompt; None when it can (or has none)."""
+    media = request.prompt_media
+    if media is None:
+        return None
+    if not info.accepts_embeddings or any(
+            (s.encoder_input is not None and not hasattr(model, "encode_media"))
+            or (s.rows is not None and len(s.rows) != s.length * info.hidden_size * 4)
+            or s.end > len(request.prompt_ids) for s in media.spans):
+        return "this model takes no such images or audio (no encoder, or rows of another width)"
+    return None
 
 
 def chunk_has_media(c: ScheduledChunk) -> bool:

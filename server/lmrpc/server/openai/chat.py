@@ -55,9 +55,8 @@ async def plan(req: openai_pb2.ChatCompleteRequest, frontend: Frontend, template
     template.require()
     media_items = rules.chat_media_items(req)
     processor = frontend.multimodal_processor() if media_items else None
-    if media_items:  # a model that takes none of them is refused before anything is rendered or read
-        validation.check_media_items([media_items], processor.modalities if processor is not None else frozenset(),
-                                     info.architecture, frontend.server_config.media.max_media_items)
+    if media_items:
+        frontend.check_media_items([media_items])
     rendered = await asyncio.to_thread(
         template.render, list(req.messages), options.tools, add_generation_prompt=options.add_generation_prompt,
         continue_final_message=options.continue_final_message, template_kwargs=options.template_kwargs,
