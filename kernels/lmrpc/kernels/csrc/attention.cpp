@@ -114,23 +114,25 @@ inline __m512 load16(const S* p) {
   if constexpr (sizeof(S) == 2) return load_bf16x16(p); else return _mm512_loadu_ps(p);
 }
 
+// scores[g][j] = scale * q_g . k_j for keys j in [k0, k1), k0 a multiple of 16 (16 keys at a time, dims even/odd in
+// two sums): the same operations for a key whichever range it is computed in.
 template <typename S, int G>
-void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t ctx,
-                   float scale, float* scores, int64_t stride) {
+void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t k0,
+                   int64_t k1, float scale, float* scores, int64_t stride) {
   const int64_t hd = c.head_dim, P = c.page_size;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t base = 0; base < ctx; base += 16) {
+  for (int64_t base = k0; base < k1; base += 16) {
     const S* kb = key_block<S>(c, pages[base / P], kvh) + base % P;
     __m512 acc[G][2];
     for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
     for (int64_t d = 0; d < hd; d += 2) {
-      const __m512 k0 = load16<S>(kb + d * P), k1 = load16<S>(kb + (d + 1) * P);
+      const __m512 k0v = load16<S>(kb + d * P), k1v = load16<S>(kb + (d + 1) * P);
       for (int g = 0; g < G; ++g) {
-        acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d]), k0, acc[g][0]);
-        acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d + 1]), k1, acc[g][1]);
+        acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d]), k0v, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d + 1]), k1v, acc[g][1]);
       }
     }
-    const int64_t n = std::min<int64_t>(16, ctx - base);
+    const int64_t n = std::min<int64_t>(16, k1 - base);
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
     for (int g = 0; g < G; ++g) {
       _mm512_mask_storeu_ps(scores + g * stride + base, mask,
@@ -139,53 +141,77 @@ void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pag
   }
 }
 
-// out[g][:] = sum_j w[g][j] v_j * (1 / total[g]), keys in order; NV vectors of 16 per head.
+// sums[g][:] += w[g][j] v_j for keys j in [k0, k1) in order; NV vectors of 16 per head. The running sums pass
+// through memory between ranges unchanged, so splitting the keys into ranges changes no bit.
 template <typename S, int G, int NV>
-void values_avx512(const float* w, int64_t stride, const float* totals, const CacheView& c, const int32_t* pages,
-                   int64_t kvh, int64_t ctx, float* const* out) {
+void values_avx512(const float* w, int64_t stride, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t k0,
+                   int64_t k1, float* sums) {
   const int64_t hd = c.head_dim, P = c.page_size;
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < ctx; ++j) {
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_loadu_ps(sums + g * hd + 16 * i);
+  for (int64_t j = k0; j < k1; ++j) {
     const S* v = value_block<S>(c, pages[j / P], kvh) + (j % P) * hd;
     for (int i = 0; i < NV; ++i) {
       const __m512 vi = load16<S>(v + 16 * i);
       for (int g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * stride + j]), vi, acc[g][i]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.0f / totals[g]);
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out[g] + 16 * i, _mm512_mul_ps(acc[g][i], inv));
-  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(sums + g * hd + 16 * i, acc[g][i]);
 }
 
-// The group's scores and values with the group size (and head width) fixed at compile time, so accumulators stay
-// in registers. False when there is no specialization (the generic code runs).
+// One query over kv heads [h0, h1), G query heads each (q[(h - h0) * kMaxGroup + g], out likewise), with the group
+// size and head width fixed at compile time so accumulators stay in registers. Pages are the outer loop: a page holds all kv
+// heads' keys (and values) next to each other, so several heads read one contiguous run per page, which the
+// hardware prefetcher follows, where one head reads a 2 KiB block and jumps. Each head's sums still take its keys
+// in order. `work` holds (h1 - h0) * G * (stride + head_dim + 1) floats. False when there is no specialization.
 template <typename S, int G>
-bool group_avx512(const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t ctx,
-                  float scale, float* scores, int64_t stride, float* totals, float* const* out) {
-  const int64_t hd = c.head_dim;
+bool query_avx512(const float* const* q, int64_t h0, int64_t h1, const CacheView& c, const int32_t* pages,
+                  int64_t ctx, float scale, float* work, int64_t stride, float* const* out) {
+  const int64_t hd = c.head_dim, P = c.page_size, nh = h1 - h0;
   if (hd != 64 && hd != 128) return false;
-  scores_avx512<S, G>(q, c, pages, kvh, ctx, scale, scores, stride);
-  for (int g = 0; g < G; ++g) totals[g] = softmax_weights(scores + g * stride, ctx);
-  if (hd == 64) values_avx512<S, G, 4>(scores, stride, totals, c, pages, kvh, ctx, out);
-  else values_avx512<S, G, 8>(scores, stride, totals, c, pages, kvh, ctx, out);
+  float* scores = work;                   // [nh][G][stride]
+  float* sums = work + nh * G * stride;   // [nh][G][head_dim]
+  float* totals = sums + nh * G * hd;     // [nh][G]
+  for (int64_t k0 = 0; k0 < ctx; k0 += P) {
+    const int64_t k1 = std::min(ctx, k0 + P);
+    for (int64_t h = 0; h < nh; ++h)
+      scores_avx512<S, G>(q + h * kMaxGroup, c, pages, h0 + h, k0, k1, scale, scores + h * G * stride, stride);
+  }
+  for (int64_t r = 0; r < nh * G; ++r) totals[r] = softmax_weights(scores + r * stride, ctx);
+  std::fill(sums, sums + nh * G * hd, 0.0f);
+  for (int64_t k0 = 0; k0 < ctx; k0 += P) {
+    const int64_t k1 = std::min(ctx, k0 + P);
+    for (int64_t h = 0; h < nh; ++h) {
+      float* w = scores + h * G * stride;
+      if (hd == 64) values_avx512<S, G, 4>(w, stride, c, pages, h0 + h, k0, k1, sums + h * G * hd);
+      else values_avx512<S, G, 8>(w, stride, c, pages, h0 + h, k0, k1, sums + h * G * hd);
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    for (int g = 0; g < G; ++g) {
+      const __m512 inv = _mm512_set1_ps(1.0f / totals[h * G + g]);
+      const float* s = sums + (h * G + g) * hd;
+      float* o = out[h * kMaxGroup + g];
+      for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+    }
+  }
   return true;
 }
 
 template <typename S>
-bool dispatch_group(int groups, const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh,
-                    int64_t ctx, float scale, float* scores, int64_t stride, float* totals, float* const* out) {
+bool dispatch_query(int groups, const float* const* q, int64_t h0, int64_t h1, const CacheView& c,
+                    const int32_t* pages, int64_t ctx, float scale, float* work, int64_t stride, float* const* out) {
   switch (groups) {
-    case 1: return group_avx512<S, 1>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
-    case 2: return group_avx512<S, 2>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
-    case 3: return group_avx512<S, 3>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
-    case 4: return group_avx512<S, 4>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
-    case 5: return group_avx512<S, 5>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
-    case 6: return group_avx512<S, 6>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
-    case 7: return group_avx512<S, 7>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
-    case 8: return group_avx512<S, 8>(q, c, pages, kvh, ctx, scale, scores, stride, totals, out);
+    case 1: return query_avx512<S, 1>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 2: return query_avx512<S, 2>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 3: return query_avx512<S, 3>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 4: return query_avx512<S, 4>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 5: return query_avx512<S, 5>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 6: return query_avx512<S, 6>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 7: return query_avx512<S, 7>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 8: return query_avx512<S, 8>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
     default: return false;
   }
 }
@@ -241,34 +267,46 @@ template <typename S>
 void attention_impl(const AttentionArgs& a, const CacheView& c) {
   const int64_t kvh = c.kv_heads, hd = c.head_dim;
   const int groups = static_cast<int>(a.heads / kvh);
-  const int64_t items = a.t * kvh;
-  const int64_t parts = std::min<int64_t>(omp_get_max_threads(), items);
+  const int64_t threads = omp_get_max_threads();
+  // A work item is one query over `span` kv heads: all of them when there are queries enough to share out (a
+  // contiguous read per page), else one (a single decode query still uses every thread). Either way each head's
+  // numbers come from the same operations in the same order.
+  const int64_t span = a.t >= 4 * threads ? kvh : 1;
+  const int64_t per_query = kvh / span;
+  const int64_t items = a.t * per_query;
+  const int64_t parts = std::min<int64_t>(threads, items);
 #pragma omp parallel num_threads(parts)
   {
-    std::vector<float> scores;
+    std::vector<float> work;
+    std::vector<const float*> q(span * kMaxGroup);
+    std::vector<float*> out(span * kMaxGroup);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t t = item / kvh, h = item % kvh;
+      const int64_t t = item / per_query, h0 = item % per_query * span;
       const int64_t ctx = a.token_ctx[t];
       const int32_t* pages = a.block_table + static_cast<int64_t>(a.token_seq[t]) * a.table_width;
       const int64_t stride = (ctx + 15) / 16 * 16;
-      scores.resize(groups * stride);
+      work.resize(span * kMaxGroup * (stride + hd + 1));
       for (int g0 = 0; g0 < groups; g0 += kMaxGroup) {
         const int gn = std::min(kMaxGroup, groups - g0);
-        const float* q[kMaxGroup];
-        float* out[kMaxGroup];
-        float totals[kMaxGroup];
-        for (int g = 0; g < gn; ++g) {
-          const int64_t head = h * groups + g0 + g;
-          q[g] = a.q + (t * a.heads + head) * hd;
-          out[g] = a.out + t * a.heads * hd + head * hd;
+        for (int64_t h = 0; h < span; ++h) {
+          for (int g = 0; g < gn; ++g) {
+            const int64_t head = (h0 + h) * groups + g0 + g;
+            q[h * kMaxGroup + g] = a.q + (t * a.heads + head) * hd;
+            out[h * kMaxGroup + g] = a.out + t * a.heads * hd + head * hd;
+          }
         }
 #if LMRPC_AVX512
-        if (dispatch_group<S>(gn, q, c, pages, h, ctx, a.scale, scores.data(), stride, totals, out)) continue;
+        if (dispatch_query<S>(gn, q.data(), h0, h0 + span, c, pages, ctx, a.scale, work.data(), stride, out.data()))
+          continue;
 #endif
-        scores_generic<S>(q, gn, c, pages, h, ctx, a.scale, scores.data(), stride);
-        for (int g = 0; g < gn; ++g) totals[g] = softmax_weights(scores.data() + g * stride, ctx);
-        weighted_values<S>(scores.data(), gn, stride, totals, c, pages, h, ctx, out);
+        for (int64_t h = 0; h < span; ++h) {
+          float* scores = work.data();
+          float totals[kMaxGroup];
+          scores_generic<S>(q.data() + h * kMaxGroup, gn, c, pages, h0 + h, ctx, a.scale, scores, stride);
+          for (int g = 0; g < gn; ++g) totals[g] = softmax_weights(scores + g * stride, ctx);
+          weighted_values<S>(scores, gn, stride, totals, c, pages, h0 + h, ctx, out.data() + h * kMaxGroup);
+        }
       }
     }
   }
