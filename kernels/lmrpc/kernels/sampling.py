@@ -149,8 +149,14 @@ def apply_processors(logits: torch.Tensor, processors: Sequence[tuple[int, RowPr
 
 
 def process_logits(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
-    """Steps 1-4 on a float32 copy of logits [B, vocab]."""
-    out = logits.float().clone()
+    """Steps 1-4 on logits [B, vocab] as float32; the caller's tensor is never written (a copy when a step applies)."""
+    changes = (inputs.penalties is not None or inputs.banned_rows is not None or inputs.bitmask_rows is not None
+               or inputs.bias_rows is not None or bool(inputs.processors))
+    out = logits.float()
+    if not changes:
+        return out  # greedy and plain sampling read the logits as they are: no [B, vocab] copy per step
+    if out is logits:
+        out = out.clone()
     if inputs.penalties is not None:
         apply_penalties(out, inputs.penalties)
     if inputs.banned_rows is not None and inputs.banned_ids is not None:

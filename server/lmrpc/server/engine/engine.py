@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from lmrpc.server.config import EngineConfig
-from lmrpc.server.engine import hidden_states, media_rows, routed_experts
-from lmrpc.server.engine.detokenizer import OutputProcessor, decode_token
+from lmrpc.server.engine import hidden_states, media_rows, outputs, routed_experts
+from lmrpc.server.engine.detokenizer import OutputProcessor
 from lmrpc.server.engine.executor import ForwardOutput, HiddenRows, ModelExecutor, PromptLogits
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
 from lmrpc.server.engine.kv_cache import KVCacheManager
-from lmrpc.server.engine.live import Command, LiveRequest, OutputFlow, Sink, _Abort, _Add, _Stop
+from lmrpc.server.engine.live import Command, LiveRequest, OutputFlow, Sink, _Abort, _Add, _Stop, apply_backpressure
 from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
@@ -32,7 +32,6 @@ from lmrpc.server.lora.registry import LoraRegistry
 from lmrpc.server.models.loader import LoadedModel
 from lmrpc.server.protocol import (
     Constraint,
-    EngineOutput,
     EngineRequest,
     EngineStats,
     Finish,
@@ -40,7 +39,6 @@ from lmrpc.server.protocol import (
     ModelInfo,
     PositionLogprobs,
     TokenLogprob,
-    Usage,
 )
 
 if TYPE_CHECKING:
@@ -114,7 +112,7 @@ class Engine:
             while True:
                 self.heartbeat = time.monotonic()
                 self.running_by_client = _count_clients(self.scheduler.running)
-                self._apply_backpressure()
+                apply_backpressure(self._live.values(), self.max_buffered_outputs)
                 if not self._drain_inbox(block=not self.scheduler.has_runnable_work):
                     return
                 if self.scheduler.has_runnable_work:
@@ -149,23 +147,6 @@ class Engine:
             elif isinstance(command, _Abort):
                 self.abort(command.request_id, command.reason)
             command = None  # a _Wake only ends the wait
-
-    def _apply_backpressure(self) -> None:
-        """Pause outputs whose consumer holds `max_buffered_outputs` deltas it has not taken; resume them at half."""
-        bound = self.max_buffered_outputs
-        for live in self._live.values():
-            flow = live.flow
-            if flow is None:
-                continue
-            seq = live.seq
-            if not seq.paused and flow.backlog >= bound:
-                seq.paused = flow.paused = True
-                # The consumer may have caught up between the read above and `paused` turning true, and then seen
-                # no reason to wake us: read again now that it will.
-                if flow.backlog <= bound // 2:
-                    seq.paused = flow.paused = False
-            elif seq.paused and flow.backlog <= bound // 2:
-                seq.paused = flow.paused = False
 
     def _guarded_step(self) -> None:
         # An unexpected failure inside a step must not kill the thread that serves every request: fail the requests
@@ -233,17 +214,17 @@ class Engine:
         if not self.scheduler.can_ever_fit(needed):
             capacity = self.kv.num_pages * self.kv.page_size
             message = f"request needs {needed} tokens of KV cache but the pool holds {capacity}"
-            sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
+            sink(outputs.final(request, Finish(FinishReason.ERROR, message=message), seq))
             return
         embeds = request.prompt_embeds
         if embeds is not None and (not self.info.accepts_embeddings or embeds.hidden != self.info.hidden_size):
             # The servicer refuses these (validation.check_embeddings); an in-process caller gets a clear error.
             message = f"this model takes embeddings of width {self.info.hidden_size} only from a native model"
-            sink(_final(request, Finish(FinishReason.ERROR, message=message), seq))
+            sink(outputs.final(request, Finish(FinishReason.ERROR, message=message), seq))
             return
         refused = media_rows.refusal(request, self.executor.model, self.info)
         if refused is not None:  # the service only builds prompt_media with the model's own processor
-            sink(_final(request, Finish(FinishReason.ERROR, message=refused), seq))
+            sink(outputs.final(request, Finish(FinishReason.ERROR, message=refused), seq))
             return
         live = LiveRequest(
             seq=seq,
@@ -263,7 +244,7 @@ class Engine:
         wants_prompt_logprobs = request.logprobs is not None and request.logprobs.start_len >= 0
         if params.max_new_tokens == 0 and not wants_prompt_logprobs:
             # Nothing to compute: empty output, finish LENGTH, never touches the model.
-            sink(_final(request, Finish(FinishReason.LENGTH), seq))
+            sink(outputs.final(request, Finish(FinishReason.LENGTH), seq))
             return
         if request.share_prefill_with is not None:
             sibling = self._live.get(request.share_prefill_with)
@@ -301,11 +282,12 @@ class Engine:
             if not live.prompt_logprobs and options.start_len == 0:
                 # Position 0 has no logprob: nothing predicts the first prompt token.
                 first = live.seq.token_ids[0]
-                live.prompt_logprobs.append(PositionLogprobs(TokenLogprob(first, None, self._text(live, first))))
+                text = outputs.token_text(self.tokenizer, live, first)
+                live.prompt_logprobs.append(PositionLogprobs(TokenLogprob(first, None, text)))
             start = chunk.first_position + 1
             targets = live.seq.token_ids[start : start + chunk.logits.shape[0]]
             entries = prompt_logprobs(chunk.logits, targets, options)
-            live.prompt_logprobs.extend(self._with_text(live, entry) for entry in entries)
+            live.prompt_logprobs.extend(outputs.with_text(self.tokenizer, live, entry) for entry in entries)
 
     def _sampling_lives(self, batch: ScheduledBatch) -> list[LiveRequest]:
         """The live requests whose chunk produced next-token logits, in ForwardOutput.logits row order."""
@@ -366,7 +348,7 @@ class Engine:
         live.sampling.observe(token)
         live.pending_tokens.append(token)
         if result.logprobs is not None:
-            live.pending_logprobs.append(self._with_text(live, result.logprobs))
+            live.pending_logprobs.append(outputs.with_text(self.tokenizer, live, result.logprobs))
         grammar_done = False
         if live.grammar is not None:
             live.grammar.advance(token)
@@ -384,52 +366,14 @@ class Engine:
         for live in lives:
             if live.seq.finished or not (live.pending_tokens or live.pending_text):
                 continue
-            live.sink(self._take_output(live, finish=None))
+            live.sink(outputs.take(live, finish=None))
 
     def _finish(self, live: LiveRequest, finish: Finish) -> None:
         """End a sequence: release its pages now, and send its last output."""
         self.scheduler.finish(live.seq)
         live.seq.finish = finish
         del self._live[live.request.request_id]
-        live.sink(self._take_output(live, finish))
-
-    def _take_output(self, live: LiveRequest, finish: Finish | None) -> EngineOutput:
-        seq = live.seq
-        input_logprobs: tuple[PositionLogprobs, ...] = ()
-        if not live.prompt_logprobs_sent and (live.prompt_logprobs or finish is not None or live.pending_tokens):
-            input_logprobs = tuple(live.prompt_logprobs)
-            live.prompt_logprobs_sent = True
-            live.prompt_logprobs = []
-        out = EngineOutput(
-            request_id=seq.request_id,
-            token_ids=tuple(live.pending_tokens),
-            text="".join(live.pending_text),
-            output_logprobs=tuple(live.pending_logprobs),
-            input_logprobs=input_logprobs,
-            finish=finish,
-            usage=_usage(seq) if finish is not None else None,
-            hidden_states=hidden_states.take(live, finish is not None),
-            routed_experts=routed_experts.take(live),
-            scheduled_at=live.scheduled_at,
-        )
-        live.pending_tokens, live.pending_text, live.pending_logprobs = [], [], []
-        return out
-
-    def _text(self, live: LiveRequest, token_id: int) -> str | None:
-        options = live.request.logprobs
-        return decode_token(self.tokenizer, token_id) if options is not None and options.with_text else None
-
-    def _with_text(self, live: LiveRequest, entry: PositionLogprobs) -> PositionLogprobs:
-        options = live.request.logprobs
-        if options is None or not options.with_text:
-            return entry
-
-        def named(t: TokenLogprob) -> TokenLogprob:
-            return TokenLogprob(t.token_id, t.logprob, decode_token(self.tokenizer, t.token_id))
-
-        return PositionLogprobs(
-            named(entry.chosen), tuple(named(t) for t in entry.top), tuple(named(t) for t in entry.requested)
-        )
+        live.sink(outputs.take(live, finish))
 
     def stats(self) -> EngineStats:
         kv = self.kv
@@ -451,14 +395,6 @@ def _count_clients(running: Iterable[Sequence]) -> dict[str, int]:
         client = seq.request.client
         counts[client] = counts.get(client, 0) + 1
     return counts
-
-
-def _usage(seq: Sequence) -> Usage:
-    return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
-
-
-def _final(request: EngineRequest, finish: Finish, seq: Sequence) -> EngineOutput:
-    return EngineOutput(request.request_id, finish=finish, usage=_usage(seq))
 
 
 def __getattr__(name: str) -> object:

@@ -3,7 +3,7 @@ between the loop and a request's consumer. No torch at import time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -104,3 +104,20 @@ class _Stop:
 
 
 Command = _Add | _Abort | _Wake | _Stop
+
+
+def apply_backpressure(lives: Iterable[LiveRequest], bound: int) -> None:
+    """Pause outputs whose consumer holds `bound` deltas it has not taken; resume them at half (engine thread)."""
+    for live in lives:
+        flow = live.flow
+        if flow is None:
+            continue
+        seq = live.seq
+        if not seq.paused and flow.backlog >= bound:
+            seq.paused = flow.paused = True
+            # The consumer may have caught up between the read above and `paused` turning true, and then seen no
+            # reason to wake us: read again now that it will.
+            if flow.backlog <= bound // 2:
+                seq.paused = flow.paused = False
+        elif seq.paused and flow.backlog <= bound // 2:
+            seq.paused = flow.paused = False
