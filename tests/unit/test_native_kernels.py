@@ -23,9 +23,10 @@ from lmrpc.kernels.torch_attention import apply_rope, rms_norm
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
 
 
-def op(p: PackedWeight, compute: Compute, bias: torch.Tensor | None = None, expand_codes: bool = False) -> object:
+def op(p: PackedWeight, compute: Compute, bias: torch.Tensor | None = None, expand_codes: bool = False,
+       int8_activations: bool = False) -> object:
     return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
-                                      p.offset, bias, expand_codes=expand_codes)
+                                      p.offset, bias, expand_codes=expand_codes, int8_activations=int8_activations)
 
 
 def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -95,6 +96,49 @@ def test_fused_norm_silu_bias_and_residual(compute: Compute) -> None:
     torch.testing.assert_close(silu.double(), ref, atol=2e-5, rtol=1e-4)
     # The residual is added after the bias, to the same product.
     assert torch.equal(lin.forward(x, residual=residual), (plain.forward(x) + bias) + residual)
+
+
+def int8_reference(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
+    """What the int8 path computes, in float64: each row quantized per group of 32 to round(x / d), d = max|x| / 127,
+    times the dequantized weight."""
+    groups = x.view(x.shape[0], -1, 32).double()
+    d = groups.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(groups / torch.where(d > 0, d, 1)), 0)
+    return (q * d).view_as(x) @ packing.dequantize(p).double().T
+
+
+@pytest.mark.skipif(not native.available() or not native.load().native_vnni(), reason="no AVX512-VNNI here")
+@pytest.mark.parametrize("signed", [False, True], ids=["q4_1", "q4_0"])
+def test_int4_products_with_int8_activations_are_row_invariant_and_exact_in_integers(signed: bool) -> None:
+    n, k = 200, 576
+    w = weight(n, k)
+    p = packing.quantize_int4(w)
+    if signed:  # Q4_0: value (q - 8) * scale, no offsets
+        scale = p.scale.float().abs() + 1e-3
+        p = PackedWeight(p.format, p.n, p.k, p.group, True, p.data, scale.half(), None)
+    lin = op(p, Compute.BF16, int8_activations=True)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(3))
+    y = lin.forward(x)
+    # Integer sums are exact: only the float fold (a few roundings per group) separates y from the reference.
+    torch.testing.assert_close(y.double(), int8_reference(x, p), atol=1e-4, rtol=1e-4)
+    # And it is not the bfloat16-activation path: int8 rounding is coarser.
+    assert not torch.equal(y, op(p, Compute.BF16).forward(x))
+    for i in range(37):
+        assert torch.equal(lin.forward(x[i : i + 1]), y[i : i + 1]), i
+    for rows in (2, 3, 5, 6, 7, 12, 13, 33):
+        assert torch.equal(lin.forward(x[:rows]), y[:rows]), rows
+
+
+@pytest.mark.skipif(not native.available() or not native.load().native_vnni(), reason="no AVX512-VNNI here")
+def test_products_after_silu_keep_bfloat16_activations() -> None:
+    # The MLP's gated activations have outliers that int8 per 32 inputs rounds away: that call site stays bf16.
+    n, k = 96, 64
+    p = packing.quantize_int4(weight(n, k))
+    gate_up = torch.randn(9, 2 * k, generator=torch.Generator().manual_seed(4))
+    int8, bf16 = op(p, Compute.BF16, int8_activations=True), op(p, Compute.BF16, expand_codes=True)
+    assert torch.equal(int8.forward(gate_up, silu=True), bf16.forward(gate_up, silu=True))
+    x = gate_up[:, :k].contiguous()
+    assert not torch.equal(int8.forward(x), bf16.forward(x))
 
 
 def test_gguf_blocks_are_repacked_code_for_code() -> None:

@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "2 bytes per weight (the bundled model: 0.27 GB); batches of more than two rows then "
                         "expand the codes on every product (8 streams decode ~15%% slower here). Outputs are the "
                         "same either way")
+    p.add_argument("--no-int8-activations", dest="int8_activations", action="store_false",
+                   help="int4 weights: products take bfloat16 activations instead of int8 ones. By default, on CPUs "
+                        "with AVX512-VNNI, each row's inputs are quantized to int8 per group of 32 (one scale) and "
+                        "summed exactly against the 4-bit codes: products ~1.6x faster here at any batch size, "
+                        "slightly less precise (relative error of a product ~5e-3 against ~2e-3). Outputs stay "
+                        "independent of the batch either way")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="CUDA: decode steps of up to this many sequences replay CUDA graphs captured at start "
@@ -202,7 +208,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     try:
         return EngineConfig(
             model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                              expand_codes=args.expand_codes),
+                              expand_codes=args.expand_codes, int8_activations=args.int8_activations),
             cache=CacheConfig(page_size=args.page_size, num_tokens=args.kv_cache_tokens),
             scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                       max_batched_tokens=args.max_batched_tokens,

@@ -29,6 +29,10 @@ class ModelConfig:
     # quantized weights also keep their codes expanded to bfloat16 (2 bytes per weight more): products over more
     # than two rows read those instead of expanding the codes on every call. The same results either way.
     expand_codes: bool = True
+    # int4 weights with bfloat16 compute on CPUs with AVX512-VNNI: activations enter the products as int8 (per row and
+    # group of 32 inputs, one scale), each group summed exactly in integers: ~1.6x faster products, every row count
+    # alike (route-invariant). False: bfloat16 activations, as other weight formats take them.
+    int8_activations: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

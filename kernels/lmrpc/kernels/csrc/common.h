@@ -17,6 +17,11 @@
 #else
 #define LMRPC_AVX512 0
 #endif
+#if LMRPC_AVX512 && defined(__AVX512VNNI__)
+#define LMRPC_VNNI 1
+#else
+#define LMRPC_VNNI 0
+#endif
 
 #include <omp.h>
 

@@ -36,6 +36,10 @@ struct PackedWeight {
   // integers) in the BF16 layout, or null. Products over many rows read these instead of expanding the codes on
   // every call; the sums and their order are the same, so the results are too (2 bytes per weight more memory).
   const uint16_t* codes = nullptr;
+  // Q4 weights whose products take int8 activations (AVX512-VNNI, every row count): the codes once more, per tile
+  // pair and group 512 bytes: for quad q < 4, tile t, output o, byte e: the code of k = 4q + e in the low nibble
+  // and of k = 4(q + 4) + e in the high nibble (at (q * 2 + t) * 64 + 4 * o + e). Else null.
+  const uint8_t* vnni = nullptr;
 };
 
 // What happens to each input row before it enters the products.
@@ -83,6 +87,10 @@ void weight_rows(const PackedWeight& w, const int64_t* ids, int64_t count, float
 // The codes of a quantized weight as bfloat16 values in the BF16 layout: out [n_pad * k_pad] (PackedWeight::codes).
 void expand_codes(const PackedWeight& w, uint16_t* out);
 
+// The codes of a Q4 weight in the layout of PackedWeight::vnni: out [n_pad * k_pad / 2].
+void vnni_codes(const PackedWeight& w, uint8_t* out);
+
 bool native_bf16();  // compiled with AVX512-BF16 products
+bool native_vnni();  // compiled with AVX512-VNNI products (Q4 weights with int8 activations)
 
 }  // namespace lmrpc

@@ -14,11 +14,13 @@ using namespace lmrpc_py;  // NOLINT: the bindings name the classes and function
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lmrpc's CPU kernels: row-invariant packed products, paged attention, RoPE with cache writes";
   m.def("native_bf16", &lmrpc::native_bf16, "whether products use AVX512-BF16 instructions");
+  m.def("native_vnni", &lmrpc::native_vnni, "whether int4 products can take int8 activations (AVX512-VNNI)");
   py::class_<PackedLinear, std::shared_ptr<PackedLinear>>(m, "PackedLinear")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, bool, at::Tensor, std::optional<at::Tensor>,
-                    std::optional<at::Tensor>, std::optional<at::Tensor>, bool>(),
+                    std::optional<at::Tensor>, std::optional<at::Tensor>, bool, bool>(),
            py::arg("format"), py::arg("compute"), py::arg("n"), py::arg("k"), py::arg("group"), py::arg("q4_signed"),
-           py::arg("data"), py::arg("scale"), py::arg("offset"), py::arg("bias"), py::arg("expand_codes") = false)
+           py::arg("data"), py::arg("scale"), py::arg("offset"), py::arg("bias"), py::arg("expand_codes") = false,
+           py::arg("int8_activations") = false)
       .def("forward", &PackedLinear::forward, py::arg("x"), py::arg("norm_weight") = py::none(),
            py::arg("eps") = 0.0, py::arg("silu") = false, py::arg("residual") = py::none(),
            py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>())

@@ -29,7 +29,7 @@ class PackedLinear {
  public:
   PackedLinear(int64_t format, int64_t compute, int64_t n, int64_t k, int64_t group, bool q4_signed, at::Tensor data,
                std::optional<at::Tensor> scale, std::optional<at::Tensor> offset, std::optional<at::Tensor> bias,
-               bool expand_codes = false)
+               bool expand_codes = false, bool int8_activations = false)
       : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias),
         compute_(static_cast<lmrpc::Compute>(compute)) {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
@@ -65,6 +65,13 @@ class PackedLinear {
     }
     w_ = lmrpc::PackedWeight{fmt, n, k, n_pad, k_pad, quantized ? group : k_pad, q4_signed, data_.data_ptr(),
                              half_or_null(scale_), half_or_null(offset_), ptr_or_null<float>(bias_)};
+    if (int8_activations && fmt == lmrpc::WeightFormat::Q4 && compute_ == lmrpc::Compute::BF16 &&
+        lmrpc::native_vnni()) {
+      vnni_ = at::empty({n_pad * k_pad / 2}, data_.options().dtype(at::kByte));
+      lmrpc::vnni_codes(w_, vnni_->data_ptr<uint8_t>());
+      w_.vnni = vnni_->data_ptr<uint8_t>();
+    }
+    // Products that keep bfloat16 activations (after SILU_MUL, see linear.cpp's int8_inputs) read these.
     if (expand_codes && quantized && compute_ == lmrpc::Compute::BF16 && lmrpc::native_bf16()) {
       codes_ = at::empty({n_pad * k_pad}, data_.options().dtype(at::kShort));
       lmrpc::expand_codes(w_, reinterpret_cast<uint16_t*>(codes_->data_ptr<int16_t>()));
@@ -143,7 +150,7 @@ class PackedLinear {
   int64_t k() const { return w_.k; }
   int64_t nbytes() const {
     int64_t total = data_.nbytes();
-    for (const auto* t : {&scale_, &offset_, &bias_, &codes_}) total += t->has_value() ? (*t)->nbytes() : 0;
+    for (const auto* t : {&scale_, &offset_, &bias_, &codes_, &vnni_}) total += t->has_value() ? (*t)->nbytes() : 0;
     return total;
   }
 
@@ -151,6 +158,7 @@ class PackedLinear {
   at::Tensor data_;
   std::optional<at::Tensor> scale_, offset_, bias_;
   std::optional<at::Tensor> codes_;  // PackedWeight::codes, when expanded
+  std::optional<at::Tensor> vnni_;   // PackedWeight::vnni, when products take int8 activations
   lmrpc::Compute compute_;
   lmrpc::PackedWeight w_{};
 };

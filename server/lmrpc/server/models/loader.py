@@ -169,7 +169,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     processor: MultimodalProcessor | None = None
     if arch in registry:
         builder = LinearBuilder(quantization, dtype, device, native=_native_serves(device, dtype),
-                                expand_codes=config.expand_codes)
+                                expand_codes=config.expand_codes, int8_activations=config.int8_activations)
         weights: WeightSource
         if gguf is not None:
             heads = hf_config.num_attention_heads

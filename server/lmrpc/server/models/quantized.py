@@ -38,14 +38,14 @@ class NativeLinear:
     """A LinearLayer over a packed weight (see the module doc)."""
 
     def __init__(self, weight: PackedWeight, compute: Compute, bias: torch.Tensor | None = None,
-                 expand_codes: bool = False) -> None:
+                 expand_codes: bool = False, int8_activations: bool = False) -> None:
         self.weight = weight  # the packed weight (kept for introspection; the kernel object holds its tensors)
         self.compute = compute
         self.in_features, self.out_features = weight.k, weight.n
         self._op = native.load().PackedLinear(
             int(weight.format), int(compute), weight.n, weight.k, weight.group, weight.q4_signed, weight.data,
             weight.scale, weight.offset, None if bias is None else bias.float().contiguous(),
-            expand_codes=expand_codes,
+            expand_codes=expand_codes, int8_activations=int8_activations,
         )
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
@@ -75,6 +75,7 @@ class LinearBuilder:
     device: torch.device
     native: bool  # the native CPU kernels serve (else torch's DenseLinear)
     expand_codes: bool = True  # quantized: keep the codes expanded to bfloat16 too (ModelConfig.expand_codes)
+    int8_activations: bool = True  # int4 with bfloat16 compute: int8 activations where the CPU has VNNI
 
     def __post_init__(self) -> None:
         if not self.native and self.quantization in (Quantization.INT8, Quantization.INT4):
@@ -93,7 +94,8 @@ class LinearBuilder:
             dense = packing.dequantize(weight) if isinstance(weight, PackedWeight) else weight
             return DenseLinear(dense.to(device=self.device, dtype=self.dtype),
                                None if bias is None else bias.to(self.device))
-        return NativeLinear(self._pack(weight, output), self.compute, bias, expand_codes=self.expand_codes)
+        return NativeLinear(self._pack(weight, output), self.compute, bias, expand_codes=self.expand_codes,
+                            int8_activations=self.int8_activations)
 
     def _pack(self, weight: Matrix, output: bool) -> PackedWeight:
         q = self.quantization
