@@ -1,4 +1,5 @@
-// Prototype, not product code: many-row products over Q4_1 weights (group 32, a scale and an offset per group and
+// Prototype, not product code (the product's kernel is `vnni_block` in kernels/lmrpc/kernels/csrc/linear.cpp, which
+// this measured first): many-row products over Q4_1 weights (group 32, a scale and an offset per group and
 // output), today's kernel scheme against AVX512-VNNI with int8 activations (llama.cpp's scheme for Q4_1).
 //
 //   g++ -O3 -march=native -fopenmp -o /tmp/q4_vnni bench/q4_vnni.cpp
