@@ -91,8 +91,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-int8-activations", dest="int8_activations", action="store_false",
-                        help="int4 products take bfloat16 activations (as the server's flag)")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="int4 products take int8 activations (as the server's flag)")
     args = parser.parse_args()
 
     tokens = args.streams * (args.prompt_len + args.new_tokens + 64)
@@ -114,7 +114,7 @@ def main() -> None:
             wall = time.perf_counter() - started
             print(f"repeat {repeat + 1}: {args.streams} streams x {args.new_tokens} tokens in {wall:.2f} s, "
                   f"{args.streams * args.new_tokens / wall:.1f} tok/s ({args.quantization}"
-                  f"{'' if args.int8_activations else ', bf16 activations'})")
+                  f"{', int8 activations' if args.int8_activations else ''})")
             for key in sorted(clock.totals):
                 total, count = clock.totals[key], clock.counts[key]
                 print(f"  {key:18s} {total:7.3f} s  {count:4d} x {1000 * total / count:7.2f} ms")

@@ -1,14 +1,12 @@
-"""int4 as served (the bundled GGUF's own Q4_1 blocks; activations int8 per group of 32 where the CPU has AVX512-VNNI,
-except the MLP's down projection, else bfloat16) against the dense dequantized model
+"""int4 as served (the bundled GGUF's own Q4_1 blocks, bfloat16 activations) against the dense dequantized model
 (the same file's weights dequantized, float32 activations), under teacher forcing:
 
 - 5 chat prompts, each followed by the dense model's 64 greedy tokens: at each of those 320 positions the int4
   model's top-1 token is the dense model's in at least 97% of positions;
 - the perplexity of a fixed English text is within 1% of the dense model's.
 
-Measured here (-s shows them): with int8 activations (2026-11-24, the default here) top-1 agreement 312/320
-(97.5%), perplexity over 168 tokens 29.3470 for int4 against 29.4020 dense (ratio 0.9981); with bfloat16 activations
-(`int8_activations=False`, 2026-11-23) 319/320 (99.7%) and 29.4143 (ratio 1.0004).
+Measured here (-s shows them): top-1 agreement 319/320 (99.7%); perplexity over 168 tokens 29.4143 for int4 against
+29.4020 dense (ratio 1.0004). With `--int8-activations` (2026-11-24): 312/320 (97.5%) and 29.3470 (ratio 0.9981).
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ class ModelConfig:
     expand_codes: bool = True
     # int4 weights with bfloat16 compute on CPUs with AVX512-VNNI: activations enter the products as int8 (per row and
     # group of 32 inputs, one scale), each group summed exactly in integers: ~1.6x faster products, every row count
-    # alike (route-invariant). False: bfloat16 activations, as other weight formats take them.
-    int8_activations: bool = True
+    # alike (route-invariant), but less precise (off by default: SmolLM2-135M's greedy chat answers degrade).
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -75,7 +75,7 @@ class LinearBuilder:
     device: torch.device
     native: bool  # the native CPU kernels serve (else torch's DenseLinear)
     expand_codes: bool = True  # quantized: keep the codes expanded to bfloat16 too (ModelConfig.expand_codes)
-    int8_activations: bool = True  # int4 with bfloat16 compute: int8 activations where the CPU has VNNI
+    int8_activations: bool = False  # int4 with bfloat16 compute: int8 activations where the CPU has VNNI
 
     def __post_init__(self) -> None:
         if not self.native and self.quantization in (Quantization.INT8, Quantization.INT4):
