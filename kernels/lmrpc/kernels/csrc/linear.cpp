@@ -332,6 +332,12 @@ float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
 
 constexpr int kMaxPairs = 2;
 
+// The rows [begin, end) of a product that one work item computes.
+struct RowRange {
+  int64_t begin, end;
+  int64_t size() const { return end - begin; }
+};
+
 struct RowBlock {
   const void* x[kMaxRows];      // each row's inputs ([k_pad] bf16 or float)
   const float* sums[kMaxRows];  // each row's group sums [groups], or null
@@ -749,13 +755,13 @@ void epilogue(const PackedWeight& w, const LinearArgs& a, int64_t row0, int rows
 // Quantized weights, bf16 products, many rows: per chunk of rows, per group, expand the group once (L1) and run
 // every row block of the chunk over it, the running sums in memory.
 template <int P>
-void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearArgs& a, int64_t p,
+void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
                          const Q4Table& table, AlignedBuffer<uint16_t>& buffer) {
   const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
   if (buffer.size() < static_cast<size_t>(2 * P * gkp * 64)) buffer.resize(2 * P * gkp * 64);
   AlignedBuffer<float> Y;
-  for (int64_t c0 = 0; c0 < a.m; c0 += kRowChunk) {
-    const int64_t rows = std::min<int64_t>(kRowChunk, a.m - c0);
+  for (int64_t c0 = rr.begin; c0 < rr.end; c0 += kRowChunk) {
+    const int64_t rows = std::min<int64_t>(kRowChunk, rr.end - c0);
     Y.resize(kRowChunk * 32 * kMaxPairs, true);
     ExpandSource<uint16_t> src[P];
     for (int q = 0; q < P; ++q) {
@@ -795,12 +801,12 @@ void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearAr
 // kMaxRows rows with their running sums in registers across the groups (block_bf16<R, 1, true>: 2R group sums and
 // 2R totals fit beside the weights), so no group's sums leave the registers and six rows share each weight load.
 // (Measured here against two pairs of three or four rows: one pair of six or four is faster.)
-void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& a, int64_t p) {
+void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
   const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
   const CodesSource src[1] = {{PairIndex{&w, p, groups, gkp, kp}}};
   alignas(64) float out[kMaxRows][32 * kMaxPairs];
-  for (int64_t r0 = 0; r0 < a.m; r0 += kMaxRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.m - r0));
+  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rr.end - r0));
     RowBlock rb{};
     for (int r = 0; r < rows; ++r) {
       rb.x[r] = in.bf16.data() + (r0 + r) * w.k_pad;
@@ -871,11 +877,11 @@ void vnni_block(const PackedWeight& w, int64_t p, const int8_t* const* x, const 
 }
 
 // Every row of tile pair p, in blocks of up to kMaxRows rows.
-void vnni_pair(const PackedWeight& w, const Inputs& in, const LinearArgs& a, int64_t p) {
+void vnni_pair(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
   const int64_t groups = w.k_pad / 32;
   alignas(64) float out[kMaxRows][32 * kMaxPairs];
-  for (int64_t r0 = 0; r0 < a.m; r0 += kMaxRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.m - r0));
+  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rr.end - r0));
     const int8_t* x[kMaxRows];
     const float* d[kMaxRows];
     const float* dsum[kMaxRows];
@@ -899,18 +905,18 @@ void vnni_pair(const PackedWeight& w, const Inputs& in, const LinearArgs& a, int
 
 // The rows of `pairs` (1 or kMaxPairs) tile pairs from pair p.
 template <typename T, int P>
-void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a, int64_t p, const Q4Table& table,
-                   AlignedBuffer<T>& buffer) {
+void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
+                   const Q4Table& table, AlignedBuffer<T>& buffer) {
   const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
   const bool quantized = w.format == WeightFormat::Q4 || w.format == WeightFormat::Q8;
   const int rows_per_block = block_rows<T>(quantized);
-  const bool one_block = a.m <= rows_per_block;
+  const bool one_block = rr.size() <= rows_per_block;
   const T* xq;
   if constexpr (sizeof(T) == 2) xq = in.bf16.data(); else xq = in.f32.data();
 #if LMRPC_VNNI
   if constexpr (sizeof(T) == 2) {
     if (in.int8) {
-      for (int q = 0; q < P; ++q) vnni_pair(w, in, a, p + q);
+      for (int q = 0; q < P; ++q) vnni_pair(w, in, a, rr, p + q);
       return;
     }
   }
@@ -919,16 +925,17 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
   if constexpr (sizeof(T) == 2) {
     if (quantized && !one_block) {
       if (w.codes != nullptr) {
-        for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, p + q);
+        for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, rr, p + q);
       } else {
-        many_rows_quantized<P>(w, in, a, p, table, buffer);
+        many_rows_quantized<P>(w, in, a, rr, p, table, buffer);
       }
       return;
     }
-    if (w.format == WeightFormat::Q4 && a.m == 1) {
+    if (w.format == WeightFormat::Q4 && rr.size() == 1) {
       alignas(64) float row[32 * kMaxPairs];
-      one_row_q4_bf16<P>(w, p, table, in.bf16.data(), w.offset != nullptr ? in.sums.data() : nullptr, row);
-      epilogue(w, a, 0, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
+      one_row_q4_bf16<P>(w, p, table, in.bf16.data() + rr.begin * w.k_pad,
+                         w.offset != nullptr ? in.sums.data() + rr.begin * groups : nullptr, row);
+      epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
       return;
     }
   }
@@ -936,8 +943,8 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
   alignas(64) float out[kMaxRows][32 * kMaxPairs];
   const int64_t per_pair = (one_block ? 2 * gkp : kp) * 64;  // expanded values per pair (two group slots)
   if (quantized && buffer.size() < static_cast<size_t>(P * per_pair)) buffer.resize(P * per_pair);
-  for (int64_t r0 = 0; r0 < a.m; r0 += rows_per_block) {
-    const int rows = static_cast<int>(std::min<int64_t>(rows_per_block, a.m - r0));
+  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += rows_per_block) {
+    const int rows = static_cast<int>(std::min<int64_t>(rows_per_block, rr.end - r0));
     RowBlock rb{};
     for (int r = 0; r < rows; ++r) {
       rb.x[r] = xq + (r0 + r) * w.k_pad;
@@ -955,7 +962,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
     } else {
       ExpandedSource<T> src[P];
       for (int q = 0; q < P; ++q) {
-        if (r0 == 0) {
+        if (r0 == rr.begin) {
           ExpandSource<T>{PairIndex{&w, p + q, groups, gkp, kp}, &table, buffer.data() + q * per_pair}.expand_all();
         }
         src[q] = {PairIndex{&w, p + q, groups, gkp, kp}, buffer.data() + q * per_pair};
@@ -967,42 +974,72 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
 }
 
 constexpr int64_t kSerialWork = int64_t{1} << 18;  // multiply-adds (rows x padded outputs x padded inputs)
+constexpr int64_t kItemsPerThread = 8;  // work items a job should offer each thread, so the last ones even out
 
-// The blocks of kMaxPairs tile pairs of every job, handed out a few at a time: a vCPU slowed by its host does less of
-// the work. Which thread computes a block never changes its bits. T: uint16_t (bf16 products) or float (float32).
+// A job's work items: its blocks of kMaxPairs tile pairs, each over `row_chunk` of its rows. A job with few blocks
+// (576 outputs: 9 blocks for 2 threads) splits its rows too, so no thread waits a whole block for the other; the two
+// halves of a block come one after the other, so both threads read its weights while they are in cache. Which rows
+// share an item never changes a row's bits.
+struct JobItems {
+  int64_t blocks;     // blocks of tile pairs
+  int64_t splits;     // row chunks per block
+  int64_t row_chunk;  // rows per chunk (the last may have fewer)
+};
+
+JobItems job_items(const LinearJob& job, int threads) {
+  const int64_t blocks = (job.w->n_pad / 32 + kMaxPairs - 1) / kMaxPairs, m = job.args.m;
+  int64_t splits = 1;
+  if (threads > 1 && blocks < kItemsPerThread * threads) {
+    const int64_t wanted = (kItemsPerThread * threads + blocks - 1) / blocks;
+    splits = std::max<int64_t>(1, std::min<int64_t>(wanted, m / kMaxRows));  // chunks of at least kMaxRows rows
+  }
+  return {blocks, splits, (m + splits - 1) / splits};
+}
+
+// The work items of every job, handed out a few at a time: a vCPU slowed by its host does less of the work. Which
+// thread computes an item never changes its bits. T: uint16_t (bf16 products) or float (float32).
 template <typename T>
 void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
   thread_local std::vector<int64_t> starts;  // kept between calls (the calling thread's; the team reads `first`)
+  thread_local std::vector<JobItems> items;
   starts.assign(count + 1, 0);
-  int64_t* first = starts.data();  // job j's blocks are [first[j], first[j + 1])
+  items.resize(count);
   int64_t pairs = 0, work = 0;
   for (int64_t j = 0; j < count; ++j) {
     const PackedWeight& w = *jobs[j].w;
-    const int64_t job_pairs = w.n_pad / 32;
-    pairs += job_pairs;
+    pairs += w.n_pad / 32;
     work += jobs[j].args.m * w.n_pad * w.k_pad;
-    first[j + 1] = first[j] + (job_pairs + kMaxPairs - 1) / kMaxPairs;
   }
   static const Q4Table tables[2] = {Q4Table(false), Q4Table(true)};
   // Work smaller than a thread hand-off costs (a decode step's LoRA products: a few rows of rank-16 matrices) stays
   // on the calling thread. Which thread computes a block never changes its bits.
   const int threads =
       work < kSerialWork ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), pairs)));
-  const int64_t blocks = first[count];
-  const int64_t grab = std::max<int64_t>(1, blocks / (8 * threads));
+  int64_t* first = starts.data();  // job j's items are [first[j], first[j + 1])
+  for (int64_t j = 0; j < count; ++j) {
+    items[j] = job_items(jobs[j], threads);
+    first[j + 1] = first[j] + items[j].blocks * items[j].splits;
+  }
+  const JobItems* job_items_of = items.data();
+  const int64_t total = first[count];
+  const int64_t grab = std::max<int64_t>(1, total / (8 * threads));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     thread_local AlignedBuffer<T> buffer;  // expanded weights, each thread's own; kept between calls
 #pragma omp for schedule(dynamic, grab)
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = 0; b < total; ++b) {
       const int64_t j = std::upper_bound(first, first + count + 1, b) - first - 1;
       const PackedWeight& w = *jobs[j].w;
+      const JobItems& it = job_items_of[j];
       const Q4Table& table = tables[w.q4_signed ? 1 : 0];
-      const int64_t job_pairs = w.n_pad / 32, p = (b - first[j]) * kMaxPairs;
+      const int64_t item = b - first[j], block = item / it.splits, chunk = item % it.splits;
+      const RowRange rr{chunk * it.row_chunk, std::min<int64_t>(jobs[j].args.m, (chunk + 1) * it.row_chunk)};
+      if (rr.size() <= 0) continue;
+      const int64_t job_pairs = w.n_pad / 32, p = block * kMaxPairs;
       if (p + kMaxPairs <= job_pairs) {
-        pair_products<T, kMaxPairs>(w, in[j], jobs[j].args, p, table, buffer);
+        pair_products<T, kMaxPairs>(w, in[j], jobs[j].args, rr, p, table, buffer);
       } else {
-        for (int64_t q = p; q < job_pairs; ++q) pair_products<T, 1>(w, in[j], jobs[j].args, q, table, buffer);
+        for (int64_t q = p; q < job_pairs; ++q) pair_products<T, 1>(w, in[j], jobs[j].args, rr, q, table, buffer);
       }
     }
   }
