@@ -1,9 +1,10 @@
 // Row-invariant products over packed weights (see linear.h for the layout).
 //
-// Work is split by output tiles, never along k: each output element of each row is accumulated by one thread, over
-// its groups in order, each group over its kpairs in order (even and odd kpairs in two sums, added at the group's
-// end). Rows are processed in blocks of up to 6 that share weight loads, but a row's operations do not depend on
-// its block, so a row gives the same bits alone or among any number of rows.
+// Work is split by output tiles (and by rows, when a product has few tiles: job_items), never along k: each output
+// element of each row is accumulated by one thread, over its groups in order, each group over its kpairs in order
+// (even and odd kpairs in two sums, added at the group's end). Rows are processed in blocks of up to 6 that share
+// weight loads, but a row's operations do not depend on its block, so a row gives the same bits alone or among any
+// number of rows.
 #include "linear.h"
 
 #include <algorithm>
@@ -993,7 +994,8 @@ JobItems job_items(const LinearJob& job, int threads) {
     const int64_t wanted = (kItemsPerThread * threads + blocks - 1) / blocks;
     splits = std::max<int64_t>(1, std::min<int64_t>(wanted, m / kMaxRows));  // chunks of at least kMaxRows rows
   }
-  return {blocks, splits, (m + splits - 1) / splits};
+  const int64_t row_chunk = (m + splits - 1) / splits;
+  return {blocks, (m + row_chunk - 1) / row_chunk, row_chunk};  // no chunk left empty by the rounding up
 }
 
 // The work items of every job, handed out a few at a time: a vCPU slowed by its host does less of the work. Which
@@ -1020,7 +1022,7 @@ void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
     items[j] = job_items(jobs[j], threads);
     first[j + 1] = first[j] + items[j].blocks * items[j].splits;
   }
-  const JobItems* job_items_of = items.data();
+  const JobItems* job_items_of = items.data();  // (the team reads the calling thread's items through this)
   const int64_t total = first[count];
   const int64_t grab = std::max<int64_t>(1, total / (8 * threads));
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -1034,7 +1036,6 @@ void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
       const Q4Table& table = tables[w.q4_signed ? 1 : 0];
       const int64_t item = b - first[j], block = item / it.splits, chunk = item % it.splits;
       const RowRange rr{chunk * it.row_chunk, std::min<int64_t>(jobs[j].args.m, (chunk + 1) * it.row_chunk)};
-      if (rr.size() <= 0) continue;
       const int64_t job_pairs = w.n_pad / 32, p = block * kMaxPairs;
       if (p + kMaxPairs <= job_pairs) {
         pair_products<T, kMaxPairs>(w, in[j], jobs[j].args, rr, p, table, buffer);
