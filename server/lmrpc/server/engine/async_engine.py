@@ -127,7 +127,7 @@ class AsyncEngine:
         def sink(output: EngineOutput) -> None:  # engine thread
             if output.finish is None:
                 flows[output.request_id].emitted += 1
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
+            self._engine.outbox.put(loop, outputs.put_nowait, output)  # posted at the end of the engine's iteration
 
         remaining = {r.request_id for r in requests}
         for r in requests:

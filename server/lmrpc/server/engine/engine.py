@@ -3,8 +3,8 @@ async_engine.py).
 
 Life of a request inside: `AsyncEngine.generate` posts `EngineRequest`s to the engine thread's inbox; the loop
 admits them into the scheduler; each `step()` schedules a batch, runs the model, samples, updates each sequence
-(detokenize, stop rules, grammar) and emits `EngineOutput` deltas back to the event loop with
-`call_soon_threadsafe`. Aborts and cancels travel through the same inbox and are applied before the next step,
+(detokenize, stop rules, grammar) and emits `EngineOutput` deltas, which the outbox posts back to the event loop
+together at the end of the loop's iteration (outbox.py). Aborts and cancels travel through the same inbox and are applied before the next step,
 so a cancelled request's pages are free before the model runs again.
 """
 
@@ -23,6 +23,7 @@ from lmrpc.server.engine.executor import ForwardOutput, HiddenRows, ModelExecuto
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
 from lmrpc.server.engine.kv_cache import KVCacheManager
 from lmrpc.server.engine.live import Command, LiveRequest, OutputFlow, Sink, _Abort, _Add, _Stop, apply_backpressure
+from lmrpc.server.engine.outbox import Outbox
 from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
@@ -81,6 +82,8 @@ class Engine:
         self._eos = frozenset(self.info.eos_token_ids)
         self._live: dict[str, LiveRequest] = {}
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        # Outputs for the event loop, posted once per loop iteration (async_engine's sinks put them here)
+        self.outbox = Outbox()
         self.masks = MaskFiller(grammar)  # grammar bitmasks, filled while the model runs
         self.max_buffered_outputs = config.max_buffered_outputs  # backpressure bound per output
         self.load = LoadTracker()  # tokens/s and queue times for GetLoad and ORCA reports
@@ -117,12 +120,14 @@ class Engine:
                     return
                 if self.scheduler.has_runnable_work:
                     self._guarded_step()
+                self.outbox.flush()
         except BaseException as exc:
             # Not swallowed: the thread ends. The watchdog sees it and fails the calls in flight.
             self.died = exc
             logger.critical("the engine thread died: %r", exc, exc_info=exc)
             raise
         finally:
+            self.outbox.flush()  # what _abort_all said on stop
             self.masks.shutdown()
 
     def _drain_inbox(self, block: bool) -> bool:
