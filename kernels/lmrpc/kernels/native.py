@@ -28,8 +28,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("module.cpp", "linear.cpp", "attention.cpp")
-HEADERS = ("common.h", "linear.h", "attention.h", "py_linear.h", "py_attention.h", "py_stack.h")
+SOURCES = ("module.cpp", "linear.cpp", "linear_products.cpp", "linear_vnni.cpp", "attention.cpp")
+HEADERS = ("common.h", "linear.h", "linear_impl.h", "linear_kernels.h", "attention.h", "py_linear.h",
+           "py_attention.h", "py_stack.h")
 CSRC = Path(__file__).parent / "csrc"
 
 

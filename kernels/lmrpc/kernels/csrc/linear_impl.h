@@ -1,0 +1,251 @@
+// Internals of the row-invariant products shared by linear.cpp, linear_products.cpp and linear_vnni.cpp: the
+// inputs as the products read them, quantized codes expanded, where a tile pair's weights come from, the epilogue.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+#include "linear.h"
+
+namespace lmrpc::linear_detail {
+
+constexpr int kMaxRows = 6;  // rows per register block (at most)
+
+// The rows as the products read them: xq [m][k_pad] (uint16 bf16 or float), and group sums [m][groups] of the
+// values as rounded (only for weights with offsets).
+struct Inputs {
+  AlignedBuffer<uint16_t> bf16;
+  AlignedBuffer<float> f32;
+  AlignedBuffer<float> sums;
+  // Q4 weights with int8 activations (PackedWeight::vnni): per row and group of 32, d = max |x| / 127 and
+  // q = round(x / d) in int8 [m][k_pad]; d [m][groups] and d * sum(q) [m][groups].
+  AlignedBuffer<int8_t> i8;
+  AlignedBuffer<float> d;
+  AlignedBuffer<float> dsum;
+  bool int8 = false;  // the rows are in i8/d/dsum (else bf16/f32 and sums)
+};
+
+// ---- quantized codes -> one group of a tile pair as kpair vectors ([kpairs][2 tiles][16 outputs][2]) ----------
+
+inline int q4_value(uint8_t code, bool is_signed) { return is_signed ? static_cast<int>(code) - 8 : code; }
+
+// bf16 values of the 16 codes (twice, to fill a 32-entry permute table).
+struct Q4Table {
+  alignas(64) uint16_t bf16[32];
+  explicit Q4Table(bool is_signed) {
+    for (int q = 0; q < 32; ++q) bf16[q] = f32_to_bf16(static_cast<float>(q4_value(q & 15, is_signed)));
+  }
+};
+
+constexpr int kPrefetchGroups = 4;  // Q4 groups read ahead (2 KiB): codes stream from memory as they are expanded
+
+// A Q4 group of a tile pair (2 x 256 bytes: per tile 8 chunks of 32, chunk c holding kpair 2c in its low nibbles
+// and kpair 2c + 1 in its high nibbles) -> 16 kpairs x 2 tiles x 32 values.
+template <typename T>
+void expand_q4(const uint8_t* src, bool is_signed, const Q4Table& table, T* dst) {
+#if LMRPC_AVX512
+  for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * 512 + 64 * line),
+                                                    _MM_HINT_T0);
+  if constexpr (sizeof(T) == 2) {
+    const __m512i lut = _mm512_load_si512(table.bf16);
+    const __m512i low = _mm512_set1_epi16(0x0f);
+    for (int t = 0; t < 2; ++t) {
+      for (int c = 0; c < 8; ++c) {
+        const __m512i words = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256 * t + 32 * c)));
+        _mm512_storeu_si512(dst + 32 * (4 * c + t), _mm512_permutexvar_epi16(_mm512_and_si512(words, low), lut));
+        _mm512_storeu_si512(dst + 32 * (4 * c + 2 + t), _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut));
+      }
+    }
+    return;
+  } else {
+    const __m512i bias = _mm512_set1_epi32(is_signed ? 8 : 0);
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    for (int t = 0; t < 2; ++t) {
+      for (int c = 0; c < 8; ++c) {
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 256 * t + 32 * c + 16 * h)));
+          const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(v, low), bias);
+          const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), bias);
+          _mm512_storeu_ps(dst + 32 * (4 * c + t) + 16 * h, _mm512_cvtepi32_ps(lo));
+          _mm512_storeu_ps(dst + 32 * (4 * c + 2 + t) + 16 * h, _mm512_cvtepi32_ps(hi));
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int t = 0; t < 2; ++t) {
+    for (int c = 0; c < 8; ++c) {
+      for (int b = 0; b < 32; ++b) {
+        const uint8_t byte = src[256 * t + 32 * c + b];
+        if constexpr (sizeof(T) == 2) {
+          dst[32 * (4 * c + t) + b] = table.bf16[byte & 15];
+          dst[32 * (4 * c + 2 + t) + b] = table.bf16[byte >> 4];
+        } else {
+          dst[32 * (4 * c + t) + b] = static_cast<float>(q4_value(byte & 15, is_signed));
+          dst[32 * (4 * c + 2 + t) + b] = static_cast<float>(q4_value(byte >> 4, is_signed));
+        }
+      }
+    }
+  }
+}
+
+// Q8 vectors (32 int8 each: one kpair of one tile) -> vectors of 32 values.
+template <typename T>
+void expand_q8(const int8_t* src, int64_t vectors, T* dst) {
+  for (int64_t j = 0; j < vectors; ++j) {
+    const int8_t* s = src + 32 * j;
+    T* d = dst + 32 * j;
+#if LMRPC_AVX512
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16))));
+    if constexpr (sizeof(T) == 2) {
+      _mm512_storeu_si512(d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    } else {
+      _mm512_storeu_ps(d, lo);
+      _mm512_storeu_ps(d + 16, hi);
+    }
+#else
+    for (int b = 0; b < 32; ++b) {
+      if constexpr (sizeof(T) == 2) d[b] = f32_to_bf16(static_cast<float>(s[b])); else d[b] = static_cast<float>(s[b]);
+    }
+#endif
+  }
+}
+
+// ---- where a tile pair's weights come from, one group at a time ----------------------------------------------
+// Each source yields, for group g, the pair's kpairs ([kpairs][2 tiles][32] values) and scales and offsets
+// ([2 tiles][16] each).
+
+struct GroupWeights {
+  const void* w;        // [kpairs][2][32] values
+  const uint16_t* scale;   // fp16 [2][16], or null (dense)
+  const uint16_t* offset;  // fp16 [2][16], or null
+};
+
+// Offsets of tile pair p, group g in the packed arrays.
+struct PairIndex {
+  const PackedWeight* w;
+  int64_t pair, groups, gkp, kp;
+  int64_t scales(int64_t g) const { return (pair * groups + g) * 32; }
+  int64_t q4_bytes(int64_t g) const { return (pair * groups + g) * 512; }
+  int64_t vectors(int64_t g) const { return (pair * kp + g * gkp) * 2; }  // kpair vectors of 32 values
+};
+
+// Dense weights: pointers into the packed data.
+template <typename T>
+struct DenseSource {
+  PairIndex at;
+  GroupWeights group(int64_t g) const {
+    return {static_cast<const T*>(at.w->data) + at.vectors(g) * 32, nullptr, nullptr};
+  }
+};
+
+// Quantized weights, expanded a group at a time into a small buffer (few rows: one row block reads them), or all
+// groups at once (many rows: every row block reads them).
+template <typename T>
+struct ExpandSource {
+  PairIndex at;
+  const Q4Table* table;
+  T* buffer;  // two slots of [gkp][2][32] (group by group; slot g % 2) or [kp][2][32] (all)
+
+  void expand(int64_t g, T* dst) const {
+    const PackedWeight& w = *at.w;
+    if (w.format == WeightFormat::Q4) {
+      expand_q4<T>(static_cast<const uint8_t*>(w.data) + at.q4_bytes(g), w.q4_signed, *table, dst);
+    } else {
+      expand_q8<T>(static_cast<const int8_t*>(w.data) + at.vectors(g) * 32, 2 * at.gkp, dst);
+    }
+  }
+  GroupWeights group(int64_t g) const {
+    T* slot = buffer + (g % 2) * at.gkp * 64;
+    expand(g, slot);
+    return {slot, at.w->scale + at.scales(g), at.w->offset != nullptr ? at.w->offset + at.scales(g) : nullptr};
+  }
+  void expand_all() const {
+    for (int64_t g = 0; g < at.groups; ++g) expand(g, buffer + g * at.gkp * 64);
+  }
+};
+
+// Quantized weights already expanded by ExpandSource::expand_all.
+template <typename T>
+struct ExpandedSource {
+  PairIndex at;
+  const T* all;  // [kp][2][32]
+  GroupWeights group(int64_t g) const {
+    return {all + g * at.gkp * 64, at.w->scale + at.scales(g),
+            at.w->offset != nullptr ? at.w->offset + at.scales(g) : nullptr};
+  }
+};
+
+// Quantized weights whose codes were expanded once, when the weight was made (PackedWeight::codes).
+struct CodesSource {
+  PairIndex at;
+  GroupWeights group(int64_t g) const {
+    return {at.w->codes + at.vectors(g) * 32, at.w->scale + at.scales(g),
+            at.w->offset != nullptr ? at.w->offset + at.scales(g) : nullptr};
+  }
+};
+
+// ---- what the micro-kernels (linear_kernels.h) work on: tile pairs and blocks of rows -------------------------------
+
+constexpr int kMaxPairs = 2;
+
+// The rows [begin, end) of a product that one work item computes.
+struct RowRange {
+  int64_t begin, end;
+  int64_t size() const { return end - begin; }
+};
+
+struct RowBlock {
+  const void* x[kMaxRows];      // each row's inputs ([k_pad] bf16 or float)
+  const float* sums[kMaxRows];  // each row's group sums [groups], or null
+  float* out[kMaxRows];         // each row's results [P * 32]
+};
+
+// ---- the product: results into y (linear_products.cpp has the rest) -------------------------------------------------
+
+// Bias and residual added to one block of results (`pairs` tile pairs from pair p), written to y: (Y + bias) +
+// residual. The cases are separate loops: a loop testing for a null pointer gets if-converted into masked loads
+// from address 0, which AMD CPUs serve through a slow microcode assist.
+inline void epilogue(const PackedWeight& w, const LinearArgs& a, int64_t row0, int rows, int64_t p, int pairs,
+                     const float (*Y)[32 * kMaxPairs]) {
+  const int64_t n0 = 32 * p, width = std::min<int64_t>(32 * pairs, w.n - n0);
+  const float* bias = w.bias != nullptr ? w.bias + n0 : nullptr;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t i = a.y_rows != nullptr ? a.y_rows[row0 + r] : row0 + r;
+    float* y = a.y + i * a.y_stride + n0;
+    const float* v = Y[r];
+    if (a.residual == nullptr) {
+      if (bias == nullptr) {
+        std::memcpy(y, v, width * sizeof(float));
+      } else {
+        for (int64_t o = 0; o < width; ++o) y[o] = v[o] + bias[o];
+      }
+    } else {
+      const float* res = a.residual + i * a.residual_stride + n0;
+      if (bias == nullptr) {
+        for (int64_t o = 0; o < width; ++o) y[o] = v[o] + res[o];
+      } else {
+        for (int64_t o = 0; o < width; ++o) y[o] = (v[o] + bias[o]) + res[o];
+      }
+    }
+  }
+}
+
+#if LMRPC_VNNI
+// Every row of tile pair p, in blocks of up to kMaxRows rows, with int8 activations (linear_vnni.cpp).
+void vnni_pair(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p);
+#endif
+
+// The work items of every job, split between threads (linear_products.cpp, which instantiates it for uint16_t
+// and float).
+template <typename T>
+void products(const LinearJob* jobs, const Inputs* in, int64_t count);
+
+}  // namespace lmrpc::linear_detail

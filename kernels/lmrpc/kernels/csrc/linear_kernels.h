@@ -1,0 +1,318 @@
+// Micro-kernels of the row-invariant products (run by linear_products.cpp): R rows x P tile pairs over every group
+// in AVX512-BF16 registers or portable loops, and one row over Q4 codes expanded in registers.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+#include "linear.h"
+#include "linear_impl.h"
+
+namespace lmrpc::linear_detail {
+
+// ---- micro-kernels: R rows x P tile pairs over every group -------------------------------------------------------
+// Per row and output: for each group in order, its kpairs summed in order (one running sum a), then
+// Y = fma(a, scale, Y) and Y = fma(group sum of x, offset, Y) when quantized; dense weights are one group, Y = a.
+// R and P only choose how many sums run side by side in registers: they never change a sum's operations.
+
+#if LMRPC_AVX512
+template <int R, int P, bool Q>
+inline void fold_group(__m512 (&Y)[R][2 * P], const __m512 (&acc)[R][2 * P], const GroupWeights (&gw)[P],
+                       const RowBlock& rb, int64_t g) {
+  for (int q = 0; q < P; ++q)
+    for (int t = 0; t < 2; ++t) {
+      const int i = 2 * q + t;
+      if constexpr (Q) {
+        const __m512 s = load_halfx16(gw[q].scale + 16 * t);
+        for (int r = 0; r < R; ++r) Y[r][i] = _mm512_fmadd_ps(acc[r][i], s, Y[r][i]);
+        if (gw[q].offset != nullptr) {
+          const __m512 o = load_halfx16(gw[q].offset + 16 * t);
+          for (int r = 0; r < R; ++r) Y[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(rb.sums[r][g]), o, Y[r][i]);
+        }
+      } else {
+        for (int r = 0; r < R; ++r) Y[r][i] = acc[r][i];
+      }
+    }
+}
+
+template <int R, int P, bool Q, typename Source>
+void block_bf16(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  __m512 Y[R][2 * P];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2 * P; ++i) Y[r][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    GroupWeights gw[P];
+    for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
+    __m512 acc[R][2 * P];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_setzero_ps();
+    const int64_t k0 = 2 * g * gkp;
+    for (int64_t j = 0; j < gkp; ++j) {
+      __m512bh wv[2 * P];
+      for (int q = 0; q < P; ++q)
+        for (int t = 0; t < 2; ++t) {
+          wv[2 * q + t] = reinterpret_cast<__m512bh>(
+              _mm512_loadu_si512(static_cast<const uint16_t*>(gw[q].w) + 64 * j + 32 * t));
+        }
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, static_cast<const uint16_t*>(rb.x[r]) + k0 + 2 * j, 4);
+        const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv[i], xb);
+      }
+    }
+    fold_group<R, P, Q>(Y, acc, gw, rb, g);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(rb.out[r] + 16 * i, Y[r][i]);
+}
+
+template <int R, int P, bool Q, typename Source>
+void block_f32(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512 Y[R][2 * P];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2 * P; ++i) Y[r][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    GroupWeights gw[P];
+    for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
+    // [row][tile][half]: outputs 0-7 or 8-15 of the tile, as (output, even/odd input) lane pairs
+    __m512 acc[R][2 * P][2];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2 * P; ++i) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
+    const int64_t k0 = 2 * g * gkp;
+    for (int64_t j = 0; j < gkp; ++j) {
+      __m512 wv[2 * P][2];
+      for (int q = 0; q < P; ++q)
+        for (int t = 0; t < 2; ++t)
+          for (int h = 0; h < 2; ++h)
+            wv[2 * q + t][h] = _mm512_loadu_ps(static_cast<const float*>(gw[q].w) + 64 * j + 32 * t + 16 * h);
+      for (int r = 0; r < R; ++r) {
+        double pair;
+        std::memcpy(&pair, static_cast<const float*>(rb.x[r]) + k0 + 2 * j, 8);
+        const __m512 xb = _mm512_castpd_ps(_mm512_set1_pd(pair));
+        for (int i = 0; i < 2 * P; ++i)
+          for (int h = 0; h < 2; ++h) acc[r][i][h] = _mm512_fmadd_ps(wv[i][h], xb, acc[r][i][h]);
+      }
+    }
+    __m512 sum[R][2 * P];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2 * P; ++i) {
+        sum[r][i] = _mm512_add_ps(_mm512_permutex2var_ps(acc[r][i][0], even, acc[r][i][1]),
+                                  _mm512_permutex2var_ps(acc[r][i][0], odd, acc[r][i][1]));
+      }
+    fold_group<R, P, Q>(Y, sum, gw, rb, g);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(rb.out[r] + 16 * i, Y[r][i]);
+}
+#else
+template <int R, int P, bool Q>
+inline void fold_group_scalar(float (&Y)[R][32 * P], const float (&a)[R][32 * P], const GroupWeights (&gw)[P],
+                              const RowBlock& rb, int64_t g) {
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q)
+      for (int l = 0; l < 32; ++l) {
+        float& y = Y[r][32 * q + l];
+        if constexpr (Q) {
+          y = std::fma(a[r][32 * q + l], half_to_f32(gw[q].scale[l]), y);
+          if (gw[q].offset != nullptr) y = std::fma(rb.sums[r][g], half_to_f32(gw[q].offset[l]), y);
+        } else {
+          y = a[r][32 * q + l];
+        }
+      }
+}
+
+template <int R, int P, bool Q, typename Source>
+void block_bf16(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  float Y[R][32 * P] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    GroupWeights gw[P];
+    for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
+    float acc[R][32 * P] = {};  // [row][pair, tile, output]
+    const int64_t k0 = 2 * g * gkp;
+    for (int64_t j = 0; j < gkp; ++j)
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + k0 + 2 * j;
+        const float x0 = bf16_to_f32(x[0]), x1 = bf16_to_f32(x[1]);
+        for (int q = 0; q < P; ++q)
+          for (int l = 0; l < 32; ++l) {  // l = 16 * tile + output
+            const uint16_t* w = static_cast<const uint16_t*>(gw[q].w) + 64 * j + 32 * (l / 16) + 2 * (l % 16);
+            const float v = std::fma(x0, bf16_to_f32(w[0]), acc[r][32 * q + l]);
+            acc[r][32 * q + l] = std::fma(x1, bf16_to_f32(w[1]), v);
+          }
+      }
+    fold_group_scalar<R, P, Q>(Y, acc, gw, rb, g);
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
+}
+
+template <int R, int P, bool Q, typename Source>
+void block_f32(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  float Y[R][32 * P] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    GroupWeights gw[P];
+    for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
+    float acc[R][64 * P] = {};  // [row][pair, tile, output, even/odd input]
+    const int64_t k0 = 2 * g * gkp;
+    for (int64_t j = 0; j < gkp; ++j)
+      for (int r = 0; r < R; ++r) {
+        const float* x = static_cast<const float*>(rb.x[r]) + k0 + 2 * j;
+        for (int q = 0; q < P; ++q) {
+          const float* w = static_cast<const float*>(gw[q].w) + 64 * j;
+          for (int l = 0; l < 64; ++l) acc[r][64 * q + l] = std::fma(w[l], x[l & 1], acc[r][64 * q + l]);
+        }
+      }
+    float a[R][32 * P];
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < 32 * P; ++l) a[r][l] = acc[r][2 * l] + acc[r][2 * l + 1];
+    fold_group_scalar<R, P, Q>(Y, a, gw, rb, g);
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
+}
+#endif
+
+#if LMRPC_AVX512
+// One row, quantized: two groups' sums run side by side (a single sum per group is a chain of dependent dot
+// products); they are folded in group order, so the operations are those of block_bf16<1, P, true>.
+template <int P, typename Source>
+void one_row_quantized_bf16(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  __m512 Y[2 * P];
+  for (int i = 0; i < 2 * P; ++i) Y[i] = _mm512_setzero_ps();
+  const uint16_t* x = static_cast<const uint16_t*>(rb.x[0]);
+  auto fold = [&](const GroupWeights (&gw)[P], const __m512 (&acc)[2 * P], int64_t g) {
+    for (int q = 0; q < P; ++q)
+      for (int t = 0; t < 2; ++t) {
+        const int i = 2 * q + t;
+        Y[i] = _mm512_fmadd_ps(acc[i], load_halfx16(gw[q].scale + 16 * t), Y[i]);
+        if (gw[q].offset != nullptr) {
+          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(rb.sums[0][g]), load_halfx16(gw[q].offset + 16 * t), Y[i]);
+        }
+      }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    GroupWeights ga[P], gb[P];
+    for (int q = 0; q < P; ++q) {
+      ga[q] = src[q].group(g);
+      gb[q] = src[q].group(g + 1);
+    }
+    __m512 acc_a[2 * P], acc_b[2 * P];
+    for (int i = 0; i < 2 * P; ++i) acc_a[i] = acc_b[i] = _mm512_setzero_ps();
+    const uint16_t* xa = x + 2 * g * gkp;
+    const uint16_t* xb = x + 2 * (g + 1) * gkp;
+    for (int64_t j = 0; j < gkp; ++j) {
+      int32_t pa, pb;
+      std::memcpy(&pa, xa + 2 * j, 4);
+      std::memcpy(&pb, xb + 2 * j, 4);
+      const __m512bh va = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pa));
+      const __m512bh vb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pb));
+      for (int q = 0; q < P; ++q)
+        for (int t = 0; t < 2; ++t) {
+          const int i = 2 * q + t;
+          acc_a[i] = _mm512_dpbf16_ps(acc_a[i], reinterpret_cast<__m512bh>(_mm512_loadu_si512(
+              static_cast<const uint16_t*>(ga[q].w) + 64 * j + 32 * t)), va);
+          acc_b[i] = _mm512_dpbf16_ps(acc_b[i], reinterpret_cast<__m512bh>(_mm512_loadu_si512(
+              static_cast<const uint16_t*>(gb[q].w) + 64 * j + 32 * t)), vb);
+        }
+    }
+    fold(ga, acc_a, g);
+    fold(gb, acc_b, g + 1);
+  }
+  for (; g < groups; ++g) {
+    GroupWeights ga[P];
+    for (int q = 0; q < P; ++q) ga[q] = src[q].group(g);
+    __m512 acc[2 * P];
+    for (int i = 0; i < 2 * P; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < gkp; ++j) {
+      int32_t pa;
+      std::memcpy(&pa, x + 2 * g * gkp + 2 * j, 4);
+      const __m512bh va = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pa));
+      for (int q = 0; q < P; ++q)
+        for (int t = 0; t < 2; ++t) {
+          acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], reinterpret_cast<__m512bh>(_mm512_loadu_si512(
+              static_cast<const uint16_t*>(ga[q].w) + 64 * j + 32 * t)), va);
+        }
+    }
+    fold(ga, acc, g);
+  }
+  for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(rb.out[0] + 16 * i, Y[i]);
+}
+#endif
+
+#if LMRPC_AVX512
+// One row, Q4, bf16 products: codes are expanded in registers and used at once (no buffer), and two groups' sums
+// run side by side. Per output the operations are those of the expanded path: each group's kpairs in order in one
+// sum, folded in group order.
+template <int P>
+void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, const uint16_t* x, const float* sums,
+                     float* out) {
+  const int64_t groups = w.k_pad / w.group;
+  const uint8_t* data = static_cast<const uint8_t*>(w.data);
+  const __m512i lut = _mm512_load_si512(table.bf16);
+  const __m512i low = _mm512_set1_epi16(0x0f);
+  __m512 Y[2 * P];
+  for (int i = 0; i < 2 * P; ++i) Y[i] = _mm512_setzero_ps();
+  auto fold = [&](const __m512 (&acc)[2 * P], int64_t g) {
+    for (int q = 0; q < P; ++q) {
+      const int64_t at = ((p + q) * groups + g) * 32;
+      for (int t = 0; t < 2; ++t) {
+        const int i = 2 * q + t;
+        Y[i] = _mm512_fmadd_ps(acc[i], load_halfx16(w.scale + at + 16 * t), Y[i]);
+        if (w.offset != nullptr) {
+          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(sums[g]), load_halfx16(w.offset + at + 16 * t), Y[i]);
+        }
+      }
+    }
+  };
+  // acc[i] += the group's kpairs 2c, 2c + 1 of chunk c, for every tile of the P pairs
+  auto chunk = [&](__m512 (&acc)[2 * P], int64_t g, int c) {
+    int32_t p0, p1;
+    std::memcpy(&p0, x + 2 * (16 * g + 2 * c), 4);
+    std::memcpy(&p1, x + 2 * (16 * g + 2 * c + 1), 4);
+    const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
+    const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
+    for (int q = 0; q < P; ++q) {
+      const uint8_t* src = data + ((p + q) * groups + g) * 512 + 32 * c;
+      for (int t = 0; t < 2; ++t) {
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256 * t)));
+        const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_and_si512(words, low), lut));
+        const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut));
+        acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], lo, x0);
+        acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], hi, x1);
+      }
+    }
+  };
+  auto prefetch = [&](int64_t g) {
+    for (int q = 0; q < P; ++q) {
+      const char* ahead = reinterpret_cast<const char*>(data + ((p + q) * groups + g + kPrefetchGroups) * 512);
+      for (int line = 0; line < 8; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    prefetch(g);
+    prefetch(g + 1);
+    __m512 a[2 * P], b[2 * P];
+    for (int i = 0; i < 2 * P; ++i) a[i] = b[i] = _mm512_setzero_ps();
+    for (int c = 0; c < 8; ++c) {
+      chunk(a, g, c);
+      chunk(b, g + 1, c);
+    }
+    fold(a, g);
+    fold(b, g + 1);
+  }
+  for (; g < groups; ++g) {
+    __m512 a[2 * P];
+    for (int i = 0; i < 2 * P; ++i) a[i] = _mm512_setzero_ps();
+    for (int c = 0; c < 8; ++c) chunk(a, g, c);
+    fold(a, g);
+  }
+  for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(out + 16 * i, Y[i]);
+}
+#endif
+
+}  // namespace lmrpc::linear_detail

@@ -1,0 +1,321 @@
+// The products of the work items (tile pairs x rows, through linear_kernels.h's micro-kernels; quantized weights
+// expanded a group at a time, all at once, or read from their expanded codes) and the work split between threads.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <omp.h>
+
+#include "common.h"
+#include "linear.h"
+#include "linear_impl.h"
+#include "linear_kernels.h"
+
+namespace lmrpc::linear_detail {
+
+namespace {
+
+// ---- many rows: group-outer, running sums Y in memory ---------------------------------------------------------
+// The same operations as block_* (a group's kpairs in one running sum, then the fold), with Y kept in an L1 buffer
+// between groups, so one expanded group (P pairs, 4 KiB for bf16) serves a whole chunk of rows from L1.
+
+#if LMRPC_AVX512
+template <int R, int P>
+void group_rows_bf16(const GroupWeights (&gw)[P], const uint16_t* const* x, const float* const* sums, int64_t g,
+                     int64_t gkp, float* const* Y) {
+  __m512 acc[R][2 * P];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_setzero_ps();
+  const uint16_t* w[P];
+  for (int q = 0; q < P; ++q) w[q] = static_cast<const uint16_t*>(gw[q].w);
+  const uint16_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x[r];
+#pragma GCC unroll 2
+  for (int64_t j = 0; j < gkp; ++j) {
+    // The tiles' vectors for this kpair, loaded once and kept in registers for every row.
+    __m512i wv[2 * P];
+    for (int q = 0; q < P; ++q) {
+      wv[2 * q] = _mm512_loadu_si512(w[q] + 64 * j);
+      wv[2 * q + 1] = _mm512_loadu_si512(w[q] + 64 * j + 32);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr[r] + 2 * j)));
+      for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], reinterpret_cast<__m512bh>(wv[i]), xb);
+    }
+  }
+  for (int q = 0; q < P; ++q)
+    for (int t = 0; t < 2; ++t) {
+      const int i = 2 * q + t;
+      const __m512 sc = load_halfx16(gw[q].scale + 16 * t);
+      for (int r = 0; r < R; ++r) {
+        __m512 y = _mm512_fmadd_ps(acc[r][i], sc, _mm512_loadu_ps(Y[r] + 16 * i));
+        if (gw[q].offset != nullptr) {
+          y = _mm512_fmadd_ps(_mm512_set1_ps(sums[r][g]), load_halfx16(gw[q].offset + 16 * t), y);
+        }
+        _mm512_storeu_ps(Y[r] + 16 * i, y);
+      }
+    }
+}
+#endif
+
+// How many rows share a register block: as many as fit beside their sums (quantized products keep a running
+// total per group besides the group's sum).
+template <typename T>
+constexpr int block_rows(bool quantized) {
+  if constexpr (sizeof(T) == 2) return quantized ? 2 : 4;
+  return 2;
+}
+
+constexpr int64_t kRowChunk = 64;  // many rows, quantized: rows whose running sums share one expanded group
+constexpr int kGroupRows = 4;      // rows per call of group_rows_bf16 (its instantiations go up to 4)
+
+template <typename T, int P, bool Q, typename Source>
+void run_block(int rows, const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  if constexpr (sizeof(T) == 2) {
+#if LMRPC_AVX512
+    if constexpr (Q) {
+      if (rows == 1) {
+        one_row_quantized_bf16<P>(src, groups, gkp, rb);
+        return;
+      }
+    }
+#endif
+    switch (rows) {
+      case 1: block_bf16<1, P, Q>(src, groups, gkp, rb); break;
+      case 2: block_bf16<2, P, Q>(src, groups, gkp, rb); break;
+      case 3: block_bf16<3, P, Q>(src, groups, gkp, rb); break;
+      default: block_bf16<4, P, Q>(src, groups, gkp, rb); break;
+    }
+  } else {
+    switch (rows) {
+      case 1: block_f32<1, P, Q>(src, groups, gkp, rb); break;
+      default: block_f32<2, P, Q>(src, groups, gkp, rb); break;
+    }
+  }
+}
+
+// ---- the product ------------------------------------------------------------------------------------------------
+
+#if LMRPC_AVX512
+// Quantized weights, bf16 products, many rows: per chunk of rows, per group, expand the group once (L1) and run
+// every row block of the chunk over it, the running sums in memory.
+template <int P>
+void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
+                         const Q4Table& table, AlignedBuffer<uint16_t>& buffer) {
+  const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
+  if (buffer.size() < static_cast<size_t>(2 * P * gkp * 64)) buffer.resize(2 * P * gkp * 64);
+  AlignedBuffer<float> Y;
+  for (int64_t c0 = rr.begin; c0 < rr.end; c0 += kRowChunk) {
+    const int64_t rows = std::min<int64_t>(kRowChunk, rr.end - c0);
+    Y.resize(kRowChunk * 32 * kMaxPairs, true);
+    ExpandSource<uint16_t> src[P];
+    for (int q = 0; q < P; ++q) {
+      src[q] = {PairIndex{&w, p + q, groups, gkp, kp}, &table, buffer.data() + 2 * q * gkp * 64};
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      GroupWeights gw[P];
+      for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
+      for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
+        const int n = static_cast<int>(std::min<int64_t>(kGroupRows, rows - r0));
+        const uint16_t* x[kMaxRows];
+        const float* sums[kMaxRows];
+        float* y[kMaxRows];
+        for (int r = 0; r < n; ++r) {
+          x[r] = in.bf16.data() + (c0 + r0 + r) * w.k_pad + 2 * g * gkp;
+          sums[r] = w.offset != nullptr ? in.sums.data() + (c0 + r0 + r) * groups : nullptr;
+          y[r] = Y.data() + (r0 + r) * 32 * kMaxPairs;
+        }
+        switch (n) {
+          case 1: group_rows_bf16<1, P>(gw, x, sums, g, gkp, y); break;
+          case 2: group_rows_bf16<2, P>(gw, x, sums, g, gkp, y); break;
+          case 3: group_rows_bf16<3, P>(gw, x, sums, g, gkp, y); break;
+          default: group_rows_bf16<4, P>(gw, x, sums, g, gkp, y); break;
+        }
+      }
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kGroupRows, rows - r0));
+      epilogue(w, a, c0 + r0, n, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(Y.data() + r0 * 32 * kMaxPairs));
+    }
+  }
+}
+#endif
+
+#if LMRPC_AVX512
+// Quantized weights with expanded codes, bf16 products, many rows: one tile pair at a time, blocks of up to
+// kMaxRows rows with their running sums in registers across the groups (block_bf16<R, 1, true>: 2R group sums and
+// 2R totals fit beside the weights), so no group's sums leave the registers and six rows share each weight load.
+// (Measured here against two pairs of three or four rows: one pair of six or four is faster.)
+void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
+  const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
+  const CodesSource src[1] = {{PairIndex{&w, p, groups, gkp, kp}}};
+  alignas(64) float out[kMaxRows][32 * kMaxPairs];
+  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rr.end - r0));
+    RowBlock rb{};
+    for (int r = 0; r < rows; ++r) {
+      rb.x[r] = in.bf16.data() + (r0 + r) * w.k_pad;
+      rb.sums[r] = w.offset != nullptr ? in.sums.data() + (r0 + r) * groups : nullptr;
+      rb.out[r] = out[r];
+    }
+    switch (rows) {
+      case 1: block_bf16<1, 1, true>(src, groups, gkp, rb); break;
+      case 2: block_bf16<2, 1, true>(src, groups, gkp, rb); break;
+      case 3: block_bf16<3, 1, true>(src, groups, gkp, rb); break;
+      case 4: block_bf16<4, 1, true>(src, groups, gkp, rb); break;
+      case 5: block_bf16<5, 1, true>(src, groups, gkp, rb); break;
+      default: block_bf16<6, 1, true>(src, groups, gkp, rb); break;
+    }
+    epilogue(w, a, r0, rows, p, 1, out);
+  }
+}
+#endif
+
+// The rows of `pairs` (1 or kMaxPairs) tile pairs from pair p.
+template <typename T, int P>
+void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
+                   const Q4Table& table, AlignedBuffer<T>& buffer) {
+  const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
+  const bool quantized = w.format == WeightFormat::Q4 || w.format == WeightFormat::Q8;
+  const int rows_per_block = block_rows<T>(quantized);
+  const bool one_block = rr.size() <= rows_per_block;
+  const T* xq;
+  if constexpr (sizeof(T) == 2) xq = in.bf16.data(); else xq = in.f32.data();
+#if LMRPC_VNNI
+  if constexpr (sizeof(T) == 2) {
+    if (in.int8) {
+      for (int q = 0; q < P; ++q) vnni_pair(w, in, a, rr, p + q);
+      return;
+    }
+  }
+#endif
+#if LMRPC_AVX512
+  if constexpr (sizeof(T) == 2) {
+    if (quantized && !one_block) {
+      if (w.codes != nullptr) {
+        for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, rr, p + q);
+      } else {
+        many_rows_quantized<P>(w, in, a, rr, p, table, buffer);
+      }
+      return;
+    }
+    if (w.format == WeightFormat::Q4 && rr.size() == 1) {
+      alignas(64) float row[32 * kMaxPairs];
+      one_row_q4_bf16<P>(w, p, table, in.bf16.data() + rr.begin * w.k_pad,
+                         w.offset != nullptr ? in.sums.data() + rr.begin * groups : nullptr, row);
+      epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
+      return;
+    }
+  }
+#endif
+  alignas(64) float out[kMaxRows][32 * kMaxPairs];
+  const int64_t per_pair = (one_block ? 2 * gkp : kp) * 64;  // expanded values per pair (two group slots)
+  if (quantized && buffer.size() < static_cast<size_t>(P * per_pair)) buffer.resize(P * per_pair);
+  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += rows_per_block) {
+    const int rows = static_cast<int>(std::min<int64_t>(rows_per_block, rr.end - r0));
+    RowBlock rb{};
+    for (int r = 0; r < rows; ++r) {
+      rb.x[r] = xq + (r0 + r) * w.k_pad;
+      rb.sums[r] = w.offset != nullptr ? in.sums.data() + (r0 + r) * groups : nullptr;
+      rb.out[r] = out[r];
+    }
+    if (!quantized) {
+      DenseSource<T> src[P];
+      for (int q = 0; q < P; ++q) src[q] = DenseSource<T>{PairIndex{&w, p + q, groups, gkp, kp}};
+      run_block<T, P, false>(rows, src, groups, gkp, rb);
+    } else if (one_block) {
+      ExpandSource<T> src[P];
+      for (int q = 0; q < P; ++q) src[q] = {PairIndex{&w, p + q, groups, gkp, kp}, &table, buffer.data() + q * per_pair};
+      run_block<T, P, true>(rows, src, groups, gkp, rb);
+    } else {
+      ExpandedSource<T> src[P];
+      for (int q = 0; q < P; ++q) {
+        if (r0 == rr.begin) {
+          ExpandSource<T>{PairIndex{&w, p + q, groups, gkp, kp}, &table, buffer.data() + q * per_pair}.expand_all();
+        }
+        src[q] = {PairIndex{&w, p + q, groups, gkp, kp}, buffer.data() + q * per_pair};
+      }
+      run_block<T, P, true>(rows, src, groups, gkp, rb);
+    }
+    epilogue(w, a, r0, rows, p, P, out);
+  }
+}
+
+constexpr int64_t kSerialWork = int64_t{1} << 18;  // multiply-adds (rows x padded outputs x padded inputs)
+constexpr int64_t kItemsPerThread = 8;  // work items a job should offer each thread, so the last ones even out
+
+// A job's work items: its blocks of kMaxPairs tile pairs, each over `row_chunk` of its rows. A job with few blocks
+// (576 outputs: 9 blocks for 2 threads) splits its rows too, so no thread waits a whole block for the other; the two
+// halves of a block come one after the other, so both threads read its weights while they are in cache. Which rows
+// share an item never changes a row's bits.
+struct JobItems {
+  int64_t blocks;     // blocks of tile pairs
+  int64_t splits;     // row chunks per block
+  int64_t row_chunk;  // rows per chunk (the last may have fewer)
+};
+
+JobItems job_items(const LinearJob& job, int threads) {
+  const int64_t blocks = (job.w->n_pad / 32 + kMaxPairs - 1) / kMaxPairs, m = job.args.m;
+  int64_t splits = 1;
+  if (threads > 1 && blocks < kItemsPerThread * threads) {
+    const int64_t wanted = (kItemsPerThread * threads + blocks - 1) / blocks;
+    splits = std::max<int64_t>(1, std::min<int64_t>(wanted, m / kMaxRows));  // chunks of at least kMaxRows rows
+  }
+  const int64_t row_chunk = (m + splits - 1) / splits;
+  return {blocks, (m + row_chunk - 1) / row_chunk, row_chunk};  // no chunk left empty by the rounding up
+}
+
+}  // namespace
+
+// The work items of every job, handed out a few at a time: a vCPU slowed by its host does less of the work. Which
+// thread computes an item never changes its bits. T: uint16_t (bf16 products) or float (float32).
+template <typename T>
+void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
+  thread_local std::vector<int64_t> starts;  // kept between calls (the calling thread's; the team reads `first`)
+  thread_local std::vector<JobItems> items;
+  starts.assign(count + 1, 0);
+  items.resize(count);
+  int64_t pairs = 0, work = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const PackedWeight& w = *jobs[j].w;
+    pairs += w.n_pad / 32;
+    work += jobs[j].args.m * w.n_pad * w.k_pad;
+  }
+  static const Q4Table tables[2] = {Q4Table(false), Q4Table(true)};
+  // Work smaller than a thread hand-off costs (a decode step's LoRA products: a few rows of rank-16 matrices) stays
+  // on the calling thread. Which thread computes a block never changes its bits.
+  const int threads =
+      work < kSerialWork ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), pairs)));
+  int64_t* first = starts.data();  // job j's items are [first[j], first[j + 1])
+  for (int64_t j = 0; j < count; ++j) {
+    items[j] = job_items(jobs[j], threads);
+    first[j + 1] = first[j] + items[j].blocks * items[j].splits;
+  }
+  const JobItems* job_items_of = items.data();  // (the team reads the calling thread's items through this)
+  const int64_t total = first[count];
+  const int64_t grab = std::max<int64_t>(1, total / (8 * threads));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    thread_local AlignedBuffer<T> buffer;  // expanded weights, each thread's own; kept between calls
+#pragma omp for schedule(dynamic, grab)
+    for (int64_t b = 0; b < total; ++b) {
+      const int64_t j = std::upper_bound(first, first + count + 1, b) - first - 1;
+      const PackedWeight& w = *jobs[j].w;
+      const JobItems& it = job_items_of[j];
+      const Q4Table& table = tables[w.q4_signed ? 1 : 0];
+      const int64_t item = b - first[j], block = item / it.splits, chunk = item % it.splits;
+      const RowRange rr{chunk * it.row_chunk, std::min<int64_t>(jobs[j].args.m, (chunk + 1) * it.row_chunk)};
+      const int64_t job_pairs = w.n_pad / 32, p = block * kMaxPairs;
+      if (p + kMaxPairs <= job_pairs) {
+        pair_products<T, kMaxPairs>(w, in[j], jobs[j].args, rr, p, table, buffer);
+      } else {
+        for (int64_t q = p; q < job_pairs; ++q) pair_products<T, 1>(w, in[j], jobs[j].args, rr, q, table, buffer);
+      }
+    }
+  }
+}
+
+template void products<uint16_t>(const LinearJob* jobs, const Inputs* in, int64_t count);
+template void products<float>(const LinearJob* jobs, const Inputs* in, int64_t count);
+
+}  // namespace lmrpc::linear_detail
