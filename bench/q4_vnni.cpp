@@ -1,11 +1,11 @@
-// Prototype, not product code (the product's kernel is `vnni_block` in kernels/lmrpc/kernels/csrc/linear.cpp, which
+// Prototype, not product code (the product's kernel is `vnni_block` in kernels/lmrpc/kernels/csrc/linear_vnni.cpp, which
 // this measured first): many-row products over Q4_1 weights (group 32, a scale and an offset per group and
 // output), today's kernel scheme against AVX512-VNNI with int8 activations (llama.cpp's scheme for Q4_1).
 //
 //   g++ -O3 -march=native -fopenmp -o /tmp/q4_vnni bench/q4_vnni.cpp
 //   OMP_NUM_THREADS=1 /tmp/q4_vnni 36 3072 576 20     # rows (a multiple of 6), outputs (of 32), k (of 32), repeats
 //
-// bf16-codes: the codes expanded to bf16 once (as `many_rows_codes` in kernels/.../linear.cpp reads them), bf16
+// bf16-codes: the codes expanded to bf16 once (as `many_rows_codes` in kernels/.../linear_products.cpp reads them), bf16
 // activations, `vdpbf16ps`, each group's sum folded with its scale and offset. vnni-u8: codes as bytes; activations
 // quantized per row and group of 32 to int8 with one scale d_x; `vpdpbusd` sums code x int8 exactly in int32; the
 // fold is scale * d_x * isum + offset * d_x * sum(q). vnni-packed: the same over nibbles unpacked in registers. The

@@ -70,7 +70,7 @@ def test_products_equal_the_dequantized_weight_and_rows_are_independent(fmt: str
     torch.testing.assert_close(y.double(), expected, atol=2e-5, rtol=1e-4)
     # Every row alone, and every leading block of rows, gives exactly the rows of the full product. These shapes
     # have few blocks of output tiles, so with two threads the 37 rows are split between work items in uneven row
-    # chunks (linear.cpp's job_items), while a row alone is one item.
+    # chunks (linear_products.cpp's job_items), while a row alone is one item.
     for i in range(37):
         assert torch.equal(lin.forward(x[i : i + 1]), y[i : i + 1]), i
     for rows in (2, 3, 4, 5, 8, 9, 17, 33):
