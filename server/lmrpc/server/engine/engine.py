@@ -4,8 +4,8 @@ async_engine.py).
 Life of a request inside: `AsyncEngine.generate` posts `EngineRequest`s to the engine thread's inbox; the loop
 admits them into the scheduler; each `step()` schedules a batch, runs the model, samples, updates each sequence
 (detokenize, stop rules, grammar) and emits `EngineOutput` deltas, which the outbox posts back to the event loop
-together at the end of the loop's iteration (outbox.py). Aborts and cancels travel through the same inbox and are applied before the next step,
-so a cancelled request's pages are free before the model runs again.
+together at the end of the loop's iteration (outbox.py). Aborts and cancels travel through the same inbox and are
+applied before the next step, so a cancelled request's pages are free before the model runs again.
 """
 
 from __future__ import annotations
