@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmrpc.kernels import native
+from lmrpc.kernels import hugepages, native
 from lmrpc.kernels.paged import AttentionShape, ChunkSpec, QKNorm, Rope
 
 PAGE_MULTIPLE = 16  # the kernels read keys 16 at a time
@@ -48,8 +48,9 @@ class NativeAttention:
         self.num_pages = num_pages
         self.page_size = page_size
         s = shape
-        self.keys = torch.zeros(s.layers, num_pages, s.kv_heads, s.head_dim, page_size, dtype=dtype)
-        self.values = torch.zeros(s.layers, num_pages, s.kv_heads, page_size, s.head_dim, dtype=dtype)
+        # In huge pages (hugepages.py): a step reads every running sequence's keys and values from DRAM.
+        self.keys = hugepages.zeros((s.layers, num_pages, s.kv_heads, s.head_dim, page_size), dtype)
+        self.values = hugepages.zeros((s.layers, num_pages, s.kv_heads, page_size, s.head_dim), dtype)
 
     def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor,
              rope_positions: torch.Tensor | None = None) -> NativePlan:

@@ -64,6 +64,16 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.offset) if t is not None)
 
     @property
+    def n_pad(self) -> int:
+        """Outputs padded to whole tile pairs."""
+        return _round_up(self.n, PAIR_TILES)
+
+    @property
+    def k_pad(self) -> int:
+        """Inputs padded to whole groups (quantized; `group` is the padded k when dense)."""
+        return _round_up(self.k, self.group)
+
+    @property
     def label(self) -> str:
         """The weight's format by name: f32, bf16, q4_0, q4_1 (4-bit with offsets), q8_0 (8-bit in groups of 32)
         or int8 (8-bit per output channel)."""

@@ -29,7 +29,8 @@ class PackedLinear {
  public:
   PackedLinear(int64_t format, int64_t compute, int64_t n, int64_t k, int64_t group, bool q4_signed, at::Tensor data,
                std::optional<at::Tensor> scale, std::optional<at::Tensor> offset, std::optional<at::Tensor> bias,
-               bool expand_codes = false, bool int8_activations = false)
+               bool expand_codes = false, bool int8_activations = false,
+               std::optional<at::Tensor> codes = std::nullopt)
       : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias),
         compute_(static_cast<lmrpc::Compute>(compute)) {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
@@ -73,7 +74,13 @@ class PackedLinear {
     }
     // Products that keep bfloat16 activations (after SILU_MUL, see linear.cpp's int8_inputs) read these.
     if (expand_codes && quantized && compute_ == lmrpc::Compute::BF16 && lmrpc::native_bf16()) {
-      codes_ = at::empty({n_pad * k_pad}, data_.options().dtype(at::kShort));
+      if (codes.has_value()) {  // the caller's buffer (huge pages: kernels/hugepages.py)
+        TORCH_CHECK(codes->scalar_type() == at::kShort && codes->is_contiguous() && codes->numel() == n_pad * k_pad,
+                    "codes: int16 [n_pad * k_pad]");
+        codes_ = *codes;
+      } else {
+        codes_ = at::empty({n_pad * k_pad}, data_.options().dtype(at::kShort));
+      }
       lmrpc::expand_codes(w_, reinterpret_cast<uint16_t*>(codes_->data_ptr<int16_t>()));
       w_.codes = reinterpret_cast<const uint16_t*>(codes_->data_ptr<int16_t>());
     }

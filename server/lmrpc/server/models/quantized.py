@@ -17,11 +17,11 @@ Activations enter products rounded to bfloat16 when the model dtype is bfloat16,
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from lmrpc.kernels import native, packing
+from lmrpc.kernels import hugepages, native, packing
 from lmrpc.kernels.packing import Compute, PackedWeight
 from lmrpc.server.models.linear import DenseLinear, LinearLayer
 from lmrpc.server.models.weights import Matrix
@@ -38,14 +38,23 @@ class NativeLinear:
     """A LinearLayer over a packed weight (see the module doc)."""
 
     def __init__(self, weight: PackedWeight, compute: Compute, bias: torch.Tensor | None = None,
-                 expand_codes: bool = False, int8_activations: bool = False) -> None:
+                 expand_codes: bool = False, int8_activations: bool = False,
+                 arena: hugepages.Arena | None = None) -> None:
+        if arena is not None:  # the weight's tensors, and its expanded codes below, in huge pages
+            weight = replace(weight, data=arena.place(weight.data), scale=_placed(arena, weight.scale),
+                             offset=_placed(arena, weight.offset))
         self.weight = weight  # the packed weight (kept for introspection; the kernel object holds its tensors)
         self.compute = compute
         self.in_features, self.out_features = weight.k, weight.n
+        codes = None
+        if arena is not None and expand_codes and weight.quantized and compute == Compute.BF16:
+            # bfloat16 codes [n_pad * k_pad] (the kernel expands them where the CPU has AVX512-BF16, else leaves
+            # this untouched: never resident)
+            codes = arena.zeros((weight.n_pad * weight.k_pad,), torch.int16)
         self._op = native.load().PackedLinear(
             int(weight.format), int(compute), weight.n, weight.k, weight.group, weight.q4_signed, weight.data,
             weight.scale, weight.offset, None if bias is None else bias.float().contiguous(),
-            expand_codes=expand_codes, int8_activations=int8_activations,
+            expand_codes=expand_codes, int8_activations=int8_activations, codes=codes,
         )
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
@@ -66,6 +75,10 @@ class NativeLinear:
         return self._op
 
 
+def _placed(arena: hugepages.Arena, t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else arena.place(t)
+
+
 @dataclass(frozen=True)
 class LinearBuilder:
     """Makes every linear layer of a model in the format its quantization asks for."""
@@ -76,6 +89,8 @@ class LinearBuilder:
     native: bool  # the native CPU kernels serve (else torch's DenseLinear)
     expand_codes: bool = True  # quantized: keep the codes expanded to bfloat16 too (ModelConfig.expand_codes)
     int8_activations: bool = False  # int4 with bfloat16 compute: int8 activations where the CPU has VNNI
+    # where packed weights live: huge pages (one arena per model; kernels/hugepages.py)
+    arena: hugepages.Arena = field(default_factory=hugepages.Arena)
 
     def __post_init__(self) -> None:
         if not self.native and self.quantization in (Quantization.INT8, Quantization.INT4):
@@ -95,7 +110,7 @@ class LinearBuilder:
             return DenseLinear(dense.to(device=self.device, dtype=self.dtype),
                                None if bias is None else bias.to(self.device))
         return NativeLinear(self._pack(weight, output), self.compute, bias, expand_codes=self.expand_codes,
-                            int8_activations=self.int8_activations)
+                            int8_activations=self.int8_activations, arena=self.arena)
 
     def _pack(self, weight: Matrix, output: bool) -> PackedWeight:
         q = self.quantization
