@@ -20,17 +20,21 @@ linux_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasat
                                reason="transparent huge pages are Linux's")
 
 
-def _vm_flags(address: int) -> set[str]:
-    """The VmFlags of the mapping of this process holding `address` (/proc/self/smaps)."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """A field of the mapping of this process holding `address` (/proc/self/smaps), split on whitespace."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return set(line.split()[1:])
+        elif inside and head == field + ":":
+            return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vm_flags(address: int) -> set[str]:
+    return set(_smaps_field(address, "VmFlags"))
 
 
 def _mapped(address: int) -> bool:
@@ -39,6 +43,17 @@ def _mapped(address: int) -> bool:
         if start <= address < end:
             return True
     return False
+
+
+def _resident_kib(address: int) -> int:
+    return int(_smaps_field(address, "Rss")[0])
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
+def test_zeros_are_resident_from_the_start() -> None:
+    # A KV pool that does not fit must fail at start, not under load; and RSS must say what the pool holds.
+    t = hugepages.zeros((8 << 20,), torch.uint8)
+    assert _resident_kib(t.data_ptr()) >= 8 << 10
 
 
 def test_zeros_are_zeros_of_the_shape_and_dtype_on_a_huge_page_boundary() -> None:

@@ -6,8 +6,9 @@ waits too. In 2 MiB pages the streams run on: one thread here reads memory at 32
 in 4 KiB pages.
 
 - `zeros(shape, dtype)`: a tensor in its own anonymous mapping, starting on a 2 MiB boundary and madvised
-  MADV_HUGEPAGE before anything touches it (Linux's transparent huge pages, "madvise" or "always" mode). Its pages
-  are the kernel's zero pages until written, so memory is resident as it is used.
+  MADV_HUGEPAGE before anything touches it (Linux's transparent huge pages, "madvise" or "always" mode). It is
+  written at once, so it is resident from the start, as torch.zeros was: a KV pool that does not fit fails at start,
+  not under load, and the process's RSS says what it holds.
 - `Arena`: tensors placed one after another in such mappings (64 MiB chunks), so a model's many small weights share
   huge pages instead of each rounding up to 2 MiB. A chunk lives as long as a tensor placed in it.
 
@@ -60,8 +61,10 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor in its own huge-page mapping (large buffers: the KV cache)."""
-    return _typed(_mapping(_nbytes(shape, dtype)), shape, dtype)
+    """A zero tensor in its own huge-page mapping (large buffers: the KV cache), resident (see the module doc)."""
+    raw = _mapping(_nbytes(shape, dtype))
+    raw.zero_()  # touch every page now
+    return _typed(raw, shape, dtype)
 
 
 class Arena:
