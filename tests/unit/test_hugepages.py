@@ -38,11 +38,11 @@ def _vm_flags(address: int) -> set[str]:
 
 
 def _mapped(address: int) -> bool:
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        start, end = (int(x, 16) for x in line.split()[0].split("-"))
-        if start <= address < end:
-            return True
-    return False
+    try:
+        _smaps_field(address, "Rss")
+    except AssertionError:  # no mapping holds it
+        return False
+    return True
 
 
 def _resident_kib(address: int) -> int:

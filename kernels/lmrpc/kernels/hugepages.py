@@ -18,6 +18,7 @@ same bits. Placement changes where a tensor lives, never its values. `LMRPC_HUGE
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -54,10 +55,7 @@ def _typed(raw: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
