@@ -28,6 +28,11 @@ inline S* value_block(const CacheView& c, int64_t page, int64_t kvh) {  // [P][h
 }
 
 template <typename S>
+inline const char* block_bytes(const S* block) {
+  return reinterpret_cast<const char*>(block);
+}
+
+template <typename S>
 inline S store_as(float v) {
   if constexpr (sizeof(S) == 2) return f32_to_bf16(v); else return v;
 }
@@ -115,17 +120,23 @@ inline __m512 load16(const S* p) {
 }
 
 // scores[g][j] = scale * q_g . k_j for keys j in [k0, k1), k0 a multiple of 16 (16 keys at a time, dims even/odd in
-// two sums): the same operations for a key whichever range it is computed in.
+// two sums): the same operations for a key whichever range it is computed in. `next`, when not null, is the key block
+// this head reads next (the sequence's next page), asked into cache a line per step of the last 16 keys: a
+// sequence's pages lie anywhere in the pool, where the hardware prefetchers, which follow runs of addresses, cannot
+// guess the next one (measured here: 30 layers of 32 decode queries over ~192 keys on shuffled pages, 8.8 ms against
+// 10.2; on consecutive pages, 5.6 against 5.5). A prefetch reads nothing into a result.
 template <typename S, int G>
 void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t k0,
-                   int64_t k1, float scale, float* scores, int64_t stride) {
+                   int64_t k1, float scale, float* scores, int64_t stride, const char* next) {
   const int64_t hd = c.head_dim, P = c.page_size;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t base = k0; base < k1; base += 16) {
     const S* kb = key_block<S>(c, pages[base / P], kvh) + base % P;
+    const char* ahead = k1 - base <= 16 ? next : nullptr;  // the last 16 keys of the page
     __m512 acc[G][2];
     for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
     for (int64_t d = 0; d < hd; d += 2) {
+      if (ahead != nullptr) _mm_prefetch(ahead + d * P * sizeof(S), _MM_HINT_T0);
       const __m512 k0v = load16<S>(kb + d * P), k1v = load16<S>(kb + (d + 1) * P);
       for (int g = 0; g < G; ++g) {
         acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d]), k0v, acc[g][0]);
@@ -142,16 +153,21 @@ void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pag
 }
 
 // sums[g][:] += w[g][j] v_j for keys j in [k0, k1) in order; NV vectors of 16 per head. The running sums pass
-// through memory between ranges unchanged, so splitting the keys into ranges changes no bit.
+// through memory between ranges unchanged, so splitting the keys into ranges changes no bit. `next`: the value block
+// read next, asked into cache a key's row per key (as scores_avx512 does).
 template <typename S, int G, int NV>
 void values_avx512(const float* w, int64_t stride, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t k0,
-                   int64_t k1, float* sums) {
+                   int64_t k1, float* sums, const char* next) {
   const int64_t hd = c.head_dim, P = c.page_size;
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_loadu_ps(sums + g * hd + 16 * i);
   for (int64_t j = k0; j < k1; ++j) {
     const S* v = value_block<S>(c, pages[j / P], kvh) + (j % P) * hd;
+    if (next != nullptr) {
+      const char* row = next + (j - k0) * hd * static_cast<int64_t>(sizeof(S));
+      for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(S)); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
     for (int i = 0; i < NV; ++i) {
       const __m512 vi = load16<S>(v + 16 * i);
       for (int g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * stride + j]), vi, acc[g][i]);
@@ -160,6 +176,7 @@ void values_avx512(const float* w, int64_t stride, const CacheView& c, const int
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(sums + g * hd + 16 * i, acc[g][i]);
 }
+
 
 // One query over kv heads [h0, h1), G query heads each (q[(h - h0) * kMaxGroup + g], out likewise), with the group
 // size and head width fixed at compile time so accumulators stay in registers. Pages are the outer loop: a page holds all kv
@@ -177,7 +194,8 @@ bool query_avx512(const float* const* q, int64_t h0, int64_t h1, const CacheView
   for (int64_t k0 = 0; k0 < ctx; k0 += P) {
     const int64_t k1 = std::min(ctx, k0 + P);
     for (int64_t h = 0; h < nh; ++h)
-      scores_avx512<S, G>(q + h * kMaxGroup, c, pages, h0 + h, k0, k1, scale, scores + h * G * stride, stride);
+      scores_avx512<S, G>(q + h * kMaxGroup, c, pages, h0 + h, k0, k1, scale, scores + h * G * stride, stride,
+                          k1 < ctx ? block_bytes(key_block<S>(c, pages[k1 / P], h0 + h)) : nullptr);
   }
   for (int64_t r = 0; r < nh * G; ++r) totals[r] = softmax_weights(scores + r * stride, ctx);
   std::fill(sums, sums + nh * G * hd, 0.0f);
@@ -185,8 +203,9 @@ bool query_avx512(const float* const* q, int64_t h0, int64_t h1, const CacheView
     const int64_t k1 = std::min(ctx, k0 + P);
     for (int64_t h = 0; h < nh; ++h) {
       float* w = scores + h * G * stride;
-      if (hd == 64) values_avx512<S, G, 4>(w, stride, c, pages, h0 + h, k0, k1, sums + h * G * hd);
-      else values_avx512<S, G, 8>(w, stride, c, pages, h0 + h, k0, k1, sums + h * G * hd);
+      const char* next = k1 < ctx ? block_bytes(value_block<S>(c, pages[k1 / P], h0 + h)) : nullptr;
+      if (hd == 64) values_avx512<S, G, 4>(w, stride, c, pages, h0 + h, k0, k1, sums + h * G * hd, next);
+      else values_avx512<S, G, 8>(w, stride, c, pages, h0 + h, k0, k1, sums + h * G * hd, next);
     }
   }
   for (int64_t h = 0; h < nh; ++h) {
