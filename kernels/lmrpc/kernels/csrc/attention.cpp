@@ -124,9 +124,10 @@ inline __m512 load16(const S* p) {
 // this head reads next (the sequence's next key page, or after the last its first value page), asked into L2 a line
 // per step of the last 16 keys: a sequence's pages lie anywhere in the pool, where the hardware prefetchers, which
 // follow runs of addresses, cannot guess the next one. Measured here, 30 layers of 32 decode queries over ~192 keys
-// (median of 30 interleaved passes): pages shuffled, 6.3 ms against 12.3 without; pages in order, 5.5 against 6.4.
-// Into L1 instead (T0) the same prefetches gained less than half of that: they hold the L1 miss buffers the loads
-// need. A prefetch reads nothing into a result.
+// (medians of 30 passes, the variants interleaved in one run): pages shuffled, 12.3 ms without, 10.4 into L1 (T0),
+// 7.2 into L2 (T1); pages in order, 6.4, 6.5 and 5.9. Into L1 they hold the miss buffers the loads need. Fetching
+// the first value page too: 6.3 against 6.5 shuffled, 5.5 against 5.7 in order. A prefetch reads nothing into a
+// result.
 template <typename S, int G>
 void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t k0,
                    int64_t k1, float scale, float* scores, int64_t stride, const char* next) {
