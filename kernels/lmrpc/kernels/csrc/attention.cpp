@@ -157,7 +157,7 @@ void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pag
 
 // sums[g][:] += w[g][j] v_j for keys j in [k0, k1) in order; NV vectors of 16 per head. The running sums pass
 // through memory between ranges unchanged, so splitting the keys into ranges changes no bit. `next`: the value block
-// read next, asked into cache a key's row per key (as scores_avx512 does).
+// read next, asked into L2 a key's row per key (as scores_avx512 does).
 template <typename S, int G, int NV>
 void values_avx512(const float* w, int64_t stride, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t k0,
                    int64_t k1, float* sums, const char* next) {
@@ -179,7 +179,6 @@ void values_avx512(const float* w, int64_t stride, const CacheView& c, const int
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(sums + g * hd + 16 * i, acc[g][i]);
 }
-
 
 // One query over kv heads [h0, h1), G query heads each (q[(h - h0) * kMaxGroup + g], out likewise), with the group
 // size and head width fixed at compile time so accumulators stay in registers. Pages are the outer loop: a page holds all kv
