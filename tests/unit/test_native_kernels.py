@@ -79,6 +79,21 @@ def test_products_equal_the_dequantized_weight_and_rows_are_independent(fmt: str
         assert torch.equal(y, op(p, compute).forward(x))
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_each_call_writes_its_own_input_padding(fmt: str) -> None:
+    # Inputs are padded to whole groups in buffers that are reused between calls and not cleared first: a call with
+    # 60 inputs must zero columns 60-63 itself, or whatever an earlier, wider call left there (here inf) reaches the
+    # products (inf times a zero weight is nan) and the group sums.
+    make, compute = FORMATS[fmt]
+    wide, narrow = op(make(weight(64, 64)), compute), op(make(weight(64, 60, seed=3)), compute)
+    x = torch.randn(9, 60, generator=torch.Generator().manual_seed(4))
+    before = narrow.forward(x)
+    wide.forward(torch.full((9, 64), float("inf")))
+    after = narrow.forward(x)
+    assert torch.isfinite(after).all()
+    assert torch.equal(after, before)
+
+
 @pytest.mark.parametrize("compute", [Compute.BF16, Compute.F32])
 def test_fused_norm_silu_bias_and_residual(compute: Compute) -> None:
     n, k = 96, 64
