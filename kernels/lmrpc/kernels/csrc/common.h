@@ -137,6 +137,35 @@ inline float reduce_add16(const float* v) {
   return c0 + c1;
 }
 
+// Rounds n floats to bf16 as f32_to_bf16 does: their codes into `out`, and x becomes the values the codes stand for.
+// `stream`: the codes go to memory without first reading their cache lines (non-temporal stores; the caller fences
+// before another thread reads them). Same bits either way.
+inline void round_to_bf16(float* x, uint16_t* out, int64_t n, bool stream) {
+  int64_t j = 0;
+#if LMRPC_AVX512
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x40);
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  stream = stream && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512i bits = _mm512_loadu_si512(x + j);
+    const __m512i high = _mm512_srli_epi32(bits, 16);
+    const __m512i even = _mm512_add_epi32(half, _mm512_and_si512(high, one));  // ties to even
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, even), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), inf);
+    const __m512i code = _mm512_mask_or_epi32(rounded, nan, high, quiet);  // NaN: kept, made quiet
+    __m256i* to = reinterpret_cast<__m256i*>(out + j);
+    if (stream) _mm256_stream_si256(to, _mm512_cvtepi32_epi16(code)); else _mm256_storeu_si256(to, _mm512_cvtepi32_epi16(code));
+    _mm512_storeu_si512(x + j, _mm512_slli_epi32(code, 16));
+  }
+#else
+  (void)stream;
+#endif
+  for (; j < n; ++j) {
+    out[j] = f32_to_bf16(x[j]);
+    x[j] = bf16_to_f32(out[j]);
+  }
+}
+
 // 1 / sqrt(mean(x^2) + eps) over k values, the squares summed in 16 lanes then pairwise.
 inline float row_inv_rms(const float* x, int64_t k, float eps) {
 #if LMRPC_AVX512

@@ -210,6 +210,35 @@ struct RowBlock {
 
 // ---- the product: results into y (linear_products.cpp has the rest) -------------------------------------------------
 
+// A product of many rows writes its outputs past the caches (non-temporal stores; products() fences them before
+// its threads part): their lines would otherwise first be read from memory, where the weights streamed since the
+// last call have pushed them. Measured on SmolLM2 at 32 streams, interleaved step by step: prefill steps of 512
+// tokens ~4% faster, decode steps unchanged. Same bits either way.
+constexpr int64_t kStreamRows = 8;
+
+#if LMRPC_AVX512
+// y = (v + bias) + residual for the terms present, 16 at a time, streamed (one loop per case, like epilogue's).
+template <bool kBias, bool kResidual>
+inline void store_streamed(const float* v, const float* bias, const float* res, int64_t width, float* y) {
+  for (int64_t o = 0; o < width; o += 16) {
+    __m512 t = _mm512_loadu_ps(v + o);
+    if constexpr (kBias) t = _mm512_add_ps(t, _mm512_loadu_ps(bias + o));
+    if constexpr (kResidual) t = _mm512_add_ps(t, _mm512_loadu_ps(res + o));
+    _mm512_stream_ps(y + o, t);
+  }
+}
+
+inline void store_streamed(const float* v, const float* bias, const float* res, int64_t width, float* y) {
+  if (bias == nullptr) {
+    if (res == nullptr) store_streamed<false, false>(v, bias, res, width, y);
+    else store_streamed<false, true>(v, bias, res, width, y);
+  } else {
+    if (res == nullptr) store_streamed<true, false>(v, bias, res, width, y);
+    else store_streamed<true, true>(v, bias, res, width, y);
+  }
+}
+#endif
+
 // Bias and residual added to one block of results (`pairs` tile pairs from pair p), written to y: (Y + bias) +
 // residual. The cases are separate loops: a loop testing for a null pointer gets if-converted into masked loads
 // from address 0, which AMD CPUs serve through a slow microcode assist.
@@ -221,6 +250,12 @@ inline void epilogue(const PackedWeight& w, const LinearArgs& a, int64_t row0, i
     const int64_t i = a.y_rows != nullptr ? a.y_rows[row0 + r] : row0 + r;
     float* y = a.y + i * a.y_stride + n0;
     const float* v = Y[r];
+#if LMRPC_AVX512
+    if (a.m >= kStreamRows && width % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0) {
+      store_streamed(v, bias, a.residual != nullptr ? a.residual + i * a.residual_stride + n0 : nullptr, width, y);
+      continue;
+    }
+#endif
     if (a.residual == nullptr) {
       if (bias == nullptr) {
         std::memcpy(y, v, width * sizeof(float));

@@ -312,6 +312,9 @@ void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
         for (int64_t q = p; q < job_pairs; ++q) pair_products<T, 1>(w, in[j], jobs[j].args, rr, q, table, buffer);
       }
     }
+#if LMRPC_AVX512
+    _mm_sfence();  // streamed outputs (epilogue) reach memory before other threads read them
+#endif
   }
 }
 
