@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -115,6 +116,17 @@ def stalled_message(timeout: float) -> str:
             "were aborted")
 
 
+async def _write_within(context: grpc.aio.ServicerContext, response: Any, timeout: float) -> None:
+    """context.write, raising asyncio.TimeoutError (the builtin one from 3.11) when it has not returned in time."""
+    if sys.version_info >= (3, 11):
+        # In the calling task: wait_for would run each write as a task of its own, one more turn of the event loop
+        # per streamed token (measured here: 12.5 us against 4 us per write that completes at once).
+        async with asyncio.timeout(timeout):
+            await context.write(response)
+    else:
+        await asyncio.wait_for(context.write(response), timeout)
+
+
 def _written(behavior: Callable[..., AsyncGenerator[Any, None]], before: Before | None,
              timeout: float) -> Callable[..., Awaitable[None]]:
     async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -126,7 +138,7 @@ def _written(behavior: Callable[..., AsyncGenerator[Any, None]], before: Before 
         async with aclosing(responses):  # closed however the call ends (a cancel too): the servicer's cleanup runs
             async for response in responses:
                 try:
-                    await asyncio.wait_for(context.write(response), timeout)
+                    await _write_within(context, response, timeout)
                 except asyncio.TimeoutError:
                     message = stalled_message(timeout)
                     # The code first, so that the servicer's observation of the call (closing now) reports it.
