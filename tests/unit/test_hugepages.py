@@ -101,14 +101,16 @@ def test_arena_places_copies_on_cache_lines_and_grows_by_chunks() -> None:
 
 
 @pytest.mark.skipif(not native.available(), reason="needs the native kernels")
-@pytest.mark.parametrize("kind", ["q4", "bf16"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 32])
 def test_products_over_placed_weights_have_the_same_bits(kind: str, rows: int) -> None:
     from lmrpc.server.models.quantized import NativeLinear
 
     torch.manual_seed(0)
     dense = torch.randn(200, 96) * 0.05
-    weight = packing.quantize_int4(dense) if kind == "q4" else packing.pack_dense(dense.bfloat16())
+    make = {"q4": packing.quantize_int4, "q8": packing.quantize_int8,
+            "bf16": lambda d: packing.pack_dense(d.bfloat16())}
+    weight = make[kind](dense)  # q8: its expanded codes are placed too
     x = torch.randn(rows, 96)
     plain = NativeLinear(weight, Compute.BF16, expand_codes=True)
     placed = NativeLinear(weight, Compute.BF16, expand_codes=True, arena=hugepages.Arena())

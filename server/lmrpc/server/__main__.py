@@ -46,10 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "4-bit blocks, or groups of 32 quantized at load. Any choice keeps a request's output "
                         "independent of its batch; int8/int4 need the native CPU kernels")
     p.add_argument("--no-expand-codes", dest="expand_codes", action="store_false",
-                   help="int4/int8: do not keep a bfloat16 copy of the quantized codes for batched products. Saves "
-                        "2 bytes per weight (the bundled model: 0.27 GB); batches of more than two rows then "
-                        "expand the codes on every product (8 streams decode ~15%% slower here). Outputs are the "
-                        "same either way")
+                   help="int8 weights (Q8_0 blocks, as the bundled model's output head; --quantization int8): do "
+                        "not keep a bfloat16 copy of their codes for batched products. Saves 2 bytes per int8 "
+                        "weight (the bundled model: 57 MB); batches of more than two rows then expand the codes on "
+                        "every product. int4 weights keep no copy (their products expand the 4-bit codes in "
+                        "registers). Outputs are the same either way")
     p.add_argument("--int8-activations", action="store_true",
                    help="int4 weights, bfloat16 model, CPUs with AVX512-VNNI: products take int8 activations (each "
                         "row's inputs quantized per group of 32, one scale, summed exactly against the 4-bit codes; "

@@ -1,5 +1,6 @@
 // Micro-kernels of the row-invariant products (run by linear_products.cpp): R rows x P tile pairs over every group
-// in AVX512-BF16 registers or portable loops, and one row over Q4 codes expanded in registers.
+// in AVX512-BF16 registers or portable loops, and Q4 codes expanded in registers for R rows (block_q4) or one
+// (one_row_q4_bf16).
 #pragma once
 
 #include <cmath>
@@ -67,6 +68,47 @@ void block_bf16(const Source* src, int64_t groups, int64_t gkp, const RowBlock& 
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(rb.out[r] + 16 * i, Y[r][i]);
+}
+
+// R rows x one tile pair of Q4 weights over every group, the codes expanded in registers from their 4-bit blocks
+// (vpermw on the bf16 table): the kpairs of each group in the same order as block_bf16 over expanded codes, so the
+// same bits, from a quarter of the bytes.
+template <int R>
+void block_q4(const PackedWeight& w, int64_t p, const Q4Table& table, int64_t groups, const RowBlock& rb) {
+  const uint8_t* data = static_cast<const uint8_t*>(w.data);
+  const __m512i lut = _mm512_load_si512(table.bf16);
+  const __m512i low = _mm512_set1_epi16(0x0f);
+  __m512 Y[R][2];
+  for (int r = 0; r < R; ++r) Y[r][0] = Y[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t at = (p * groups + g) * 32;
+    const GroupWeights gw[1] = {{nullptr, w.scale + at, w.offset != nullptr ? w.offset + at : nullptr}};
+    const uint8_t* src = data + (p * groups + g) * 512;
+    for (int line = 0; line < 8; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * 512 + 64 * line), _MM_HINT_T0);
+    }
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int c = 0; c < 8; ++c) {  // kpairs 2c (low nibbles) and 2c + 1 (high nibbles)
+      for (int t = 0; t < 2; ++t) {
+        const __m512i words =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256 * t + 32 * c)));
+        const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_and_si512(words, low), lut));
+        const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut));
+        for (int r = 0; r < R; ++r) {
+          int32_t p0, p1;
+          const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + 32 * g + 4 * c;
+          std::memcpy(&p0, x, 4);
+          std::memcpy(&p1, x + 2, 4);
+          acc[r][t] = _mm512_dpbf16_ps(acc[r][t], lo, reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0)));
+          acc[r][t] = _mm512_dpbf16_ps(acc[r][t], hi, reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1)));
+        }
+      }
+    }
+    fold_group<R, 1, true>(Y, acc, gw, rb, g);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2; ++i) _mm512_storeu_ps(rb.out[r] + 16 * i, Y[r][i]);
 }
 
 template <int R, int P, bool Q, typename Source>

@@ -142,13 +142,12 @@ void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearAr
 #endif
 
 #if LMRPC_AVX512
-// Quantized weights with expanded codes, bf16 products, many rows: one tile pair at a time, blocks of up to
-// kMaxRows rows with their running sums in registers across the groups (block_bf16<R, 1, true>: 2R group sums and
-// 2R totals fit beside the weights), so no group's sums leave the registers and six rows share each weight load.
-// (Measured here against two pairs of three or four rows: one pair of six or four is faster.)
-void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
-  const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
-  const CodesSource src[1] = {{PairIndex{&w, p, groups, gkp, kp}}};
+// Every row of tile pair p in blocks of up to kMaxRows bf16 rows: block(rows, rb) computes a block's results into
+// rb.out, and the epilogue writes them.
+template <typename Block>
+void pair_in_row_blocks(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
+                        Block&& block) {
+  const int64_t groups = w.k_pad / w.group;
   alignas(64) float out[kMaxRows][32 * kMaxPairs];
   for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rr.end - r0));
@@ -158,6 +157,38 @@ void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& 
       rb.sums[r] = w.offset != nullptr ? in.sums.data() + (r0 + r) * groups : nullptr;
       rb.out[r] = out[r];
     }
+    block(rows, rb);
+    epilogue(w, a, r0, rows, p, 1, out);
+  }
+}
+
+// Q4 weights, bf16 products, many rows: one tile pair at a time, blocks of up to kMaxRows rows over the 4-bit
+// blocks, each group's codes expanded in registers once per row block (block_q4). Against reading the codes
+// expanded to bf16 in memory (as Q8 weights do below), it reads a quarter of the bytes: interleaved step by step at
+// 32 streams (SmolLM2, engine alone), decode steps 6-10% faster in each of 7 rounds, 512-token prefill steps the same.
+void many_rows_q4(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
+                  const Q4Table& table) {
+  const int64_t groups = w.k_pad / w.group;
+  pair_in_row_blocks(w, in, a, rr, p, [&](int rows, const RowBlock& rb) {
+    switch (rows) {
+      case 1: block_q4<1>(w, p, table, groups, rb); break;
+      case 2: block_q4<2>(w, p, table, groups, rb); break;
+      case 3: block_q4<3>(w, p, table, groups, rb); break;
+      case 4: block_q4<4>(w, p, table, groups, rb); break;
+      case 5: block_q4<5>(w, p, table, groups, rb); break;
+      default: block_q4<6>(w, p, table, groups, rb); break;
+    }
+  });
+}
+
+// Q8 weights with expanded codes, bf16 products, many rows: one tile pair at a time, blocks of up to
+// kMaxRows rows with their running sums in registers across the groups (block_bf16<R, 1, true>: 2R group sums and
+// 2R totals fit beside the weights), so no group's sums leave the registers and six rows share each weight load.
+// (Measured here against two pairs of three or four rows: one pair of six or four is faster.)
+void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
+  const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
+  const CodesSource src[1] = {{PairIndex{&w, p, groups, gkp, kp}}};
+  pair_in_row_blocks(w, in, a, rr, p, [&](int rows, const RowBlock& rb) {
     switch (rows) {
       case 1: block_bf16<1, 1, true>(src, groups, gkp, rb); break;
       case 2: block_bf16<2, 1, true>(src, groups, gkp, rb); break;
@@ -166,8 +197,7 @@ void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& 
       case 5: block_bf16<5, 1, true>(src, groups, gkp, rb); break;
       default: block_bf16<6, 1, true>(src, groups, gkp, rb); break;
     }
-    epilogue(w, a, r0, rows, p, 1, out);
-  }
+  });
 }
 #endif
 
@@ -192,7 +222,9 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
 #if LMRPC_AVX512
   if constexpr (sizeof(T) == 2) {
     if (quantized && !one_block) {
-      if (w.codes != nullptr) {
+      if (w.format == WeightFormat::Q4) {
+        for (int q = 0; q < P; ++q) many_rows_q4(w, in, a, rr, p + q, table);
+      } else if (w.codes != nullptr) {
         for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, rr, p + q);
       } else {
         many_rows_quantized<P>(w, in, a, rr, p, table, buffer);

@@ -72,8 +72,8 @@ class PackedLinear {
       lmrpc::vnni_codes(w_, vnni_->data_ptr<uint8_t>());
       w_.vnni = vnni_->data_ptr<uint8_t>();
     }
-    // Products that keep bfloat16 activations (after SILU_MUL, see linear.cpp's int8_inputs) read these.
-    if (expand_codes && quantized && compute_ == lmrpc::Compute::BF16 && lmrpc::native_bf16()) {
+    // Q8 products of many rows read these; Q4 ones expand their 4-bit codes in registers (block_q4), which is faster.
+    if (expand_codes && fmt == lmrpc::WeightFormat::Q8 && compute_ == lmrpc::Compute::BF16 && lmrpc::native_bf16()) {
       if (codes.has_value()) {  // the caller's buffer (huge pages: kernels/hugepages.py)
         TORCH_CHECK(codes->scalar_type() == at::kShort && codes->is_contiguous() && codes->numel() == n_pad * k_pad,
                     "codes: int16 [n_pad * k_pad]");

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lmrpc.kernels import hugepages, native, packing
-from lmrpc.kernels.packing import Compute, PackedWeight
+from lmrpc.kernels.packing import Compute, PackedWeight, WeightFormat
 from lmrpc.server.models.linear import DenseLinear, LinearLayer
 from lmrpc.server.models.weights import Matrix
 
@@ -47,7 +47,7 @@ class NativeLinear:
         self.compute = compute
         self.in_features, self.out_features = weight.k, weight.n
         codes = None
-        if arena is not None and expand_codes and weight.quantized and compute == Compute.BF16:
+        if arena is not None and expand_codes and weight.format == WeightFormat.Q8 and compute == Compute.BF16:
             # bfloat16 codes [n_pad * k_pad] (the kernel expands them where the CPU has AVX512-BF16, else leaves
             # this untouched: never resident)
             codes = arena.zeros((weight.n_pad * weight.k_pad,), torch.int16)
@@ -87,7 +87,7 @@ class LinearBuilder:
     dtype: torch.dtype  # the model dtype: dense weights, activations into products, the KV cache
     device: torch.device
     native: bool  # the native CPU kernels serve (else torch's DenseLinear)
-    expand_codes: bool = True  # quantized: keep the codes expanded to bfloat16 too (ModelConfig.expand_codes)
+    expand_codes: bool = True  # int8 weights: keep the codes expanded to bfloat16 too (ModelConfig.expand_codes)
     int8_activations: bool = False  # int4 with bfloat16 compute: int8 activations where the CPU has VNNI
     # where packed weights live: huge pages (one arena per model; kernels/hugepages.py)
     arena: hugepages.Arena = field(default_factory=hugepages.Arena)
