@@ -154,7 +154,8 @@ inline void round_to_bf16(float* x, uint16_t* out, int64_t n, bool stream) {
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), inf);
     const __m512i code = _mm512_mask_or_epi32(rounded, nan, high, quiet);  // NaN: kept, made quiet
     __m256i* to = reinterpret_cast<__m256i*>(out + j);
-    if (stream) _mm256_stream_si256(to, _mm512_cvtepi32_epi16(code)); else _mm256_storeu_si256(to, _mm512_cvtepi32_epi16(code));
+    const __m256i codes = _mm512_cvtepi32_epi16(code);
+    if (stream) _mm256_stream_si256(to, codes); else _mm256_storeu_si256(to, codes);
     _mm512_storeu_si512(x + j, _mm512_slli_epi32(code, 16));
   }
 #else

@@ -41,22 +41,41 @@ struct Q4Table {
 
 constexpr int kPrefetchGroups = 4;  // Q4 groups read ahead (2 KiB): codes stream from memory as they are expanded
 
-// A Q4 group of a tile pair (2 x 256 bytes: per tile 8 chunks of 32, chunk c holding kpair 2c in its low nibbles
-// and kpair 2c + 1 in its high nibbles) -> 16 kpairs x 2 tiles x 32 values.
+// A Q4 group of a tile pair is 2 x 256 bytes: per tile 8 chunks of 32, chunk c holding kpair 2c in its low nibbles
+// and kpair 2c + 1 in its high nibbles.
+#if LMRPC_AVX512
+// The group kPrefetchGroups ahead of `group`, asked into L1.
+inline void prefetch_q4_ahead(const uint8_t* group) {
+  for (int line = 0; line < 8; ++line) {
+    _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchGroups * 512 + 64 * line), _MM_HINT_T0);
+  }
+}
+
+// Chunk c of tile t as two bf16 kpair vectors (lut: Q4Table::bf16; low: 0x0f in every 16-bit lane).
+struct Q4Chunk {
+  __m512i lo, hi;  // kpairs 2c and 2c + 1
+};
+inline Q4Chunk q4_chunk(const uint8_t* group, int t, int c, __m512i lut, __m512i low) {
+  const __m512i words =
+      _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 256 * t + 32 * c)));
+  return {_mm512_permutexvar_epi16(_mm512_and_si512(words, low), lut),
+          _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut)};
+}
+#endif
+
+// A Q4 group of a tile pair -> 16 kpairs x 2 tiles x 32 values.
 template <typename T>
 void expand_q4(const uint8_t* src, bool is_signed, const Q4Table& table, T* dst) {
 #if LMRPC_AVX512
-  for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * 512 + 64 * line),
-                                                    _MM_HINT_T0);
+  prefetch_q4_ahead(src);
   if constexpr (sizeof(T) == 2) {
     const __m512i lut = _mm512_load_si512(table.bf16);
     const __m512i low = _mm512_set1_epi16(0x0f);
     for (int t = 0; t < 2; ++t) {
       for (int c = 0; c < 8; ++c) {
-        const __m512i words = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256 * t + 32 * c)));
-        _mm512_storeu_si512(dst + 32 * (4 * c + t), _mm512_permutexvar_epi16(_mm512_and_si512(words, low), lut));
-        _mm512_storeu_si512(dst + 32 * (4 * c + 2 + t), _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut));
+        const Q4Chunk chunk = q4_chunk(src, t, c, lut, low);
+        _mm512_storeu_si512(dst + 32 * (4 * c + t), chunk.lo);
+        _mm512_storeu_si512(dst + 32 * (4 * c + 2 + t), chunk.hi);
       }
     }
     return;

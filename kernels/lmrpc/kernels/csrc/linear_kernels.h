@@ -84,17 +84,13 @@ void block_q4(const PackedWeight& w, int64_t p, const Q4Table& table, int64_t gr
     const int64_t at = (p * groups + g) * 32;
     const GroupWeights gw[1] = {{nullptr, w.scale + at, w.offset != nullptr ? w.offset + at : nullptr}};
     const uint8_t* src = data + (p * groups + g) * 512;
-    for (int line = 0; line < 8; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * 512 + 64 * line), _MM_HINT_T0);
-    }
+    prefetch_q4_ahead(src);
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int c = 0; c < 8; ++c) {  // kpairs 2c (low nibbles) and 2c + 1 (high nibbles)
       for (int t = 0; t < 2; ++t) {
-        const __m512i words =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256 * t + 32 * c)));
-        const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_and_si512(words, low), lut));
-        const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut));
+        const Q4Chunk chunk = q4_chunk(src, t, c, lut, low);
+        const __m512bh lo = reinterpret_cast<__m512bh>(chunk.lo), hi = reinterpret_cast<__m512bh>(chunk.hi);
         for (int r = 0; r < R; ++r) {
           int32_t p0, p1;
           const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + 32 * g + 4 * c;
@@ -318,21 +314,16 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
     const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
     const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
     for (int q = 0; q < P; ++q) {
-      const uint8_t* src = data + ((p + q) * groups + g) * 512 + 32 * c;
+      const uint8_t* group = data + ((p + q) * groups + g) * 512;
       for (int t = 0; t < 2; ++t) {
-        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256 * t)));
-        const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_and_si512(words, low), lut));
-        const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut));
-        acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], lo, x0);
-        acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], hi, x1);
+        const Q4Chunk codes = q4_chunk(group, t, c, lut, low);
+        acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], reinterpret_cast<__m512bh>(codes.lo), x0);
+        acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], reinterpret_cast<__m512bh>(codes.hi), x1);
       }
     }
   };
   auto prefetch = [&](int64_t g) {
-    for (int q = 0; q < P; ++q) {
-      const char* ahead = reinterpret_cast<const char*>(data + ((p + q) * groups + g + kPrefetchGroups) * 512);
-      for (int line = 0; line < 8; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-    }
+    for (int q = 0; q < P; ++q) prefetch_q4_ahead(data + ((p + q) * groups + g) * 512);
   };
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
