@@ -193,6 +193,9 @@ class ModelInfo:
     quantization: str = "none"  # how the linear weights are stored: "none", "int8" or "int4"
     weight_formats: list[str] = field(default_factory=list)  # e.g. ["q4_1", "q8_0"]
     lora_adapters: list[str] = field(default_factory=list)  # names of the loaded LoRA adapters (list_lora_adapters)
+    # What one request may ask for, keyed by RequestLimits field name (e.g. "max_logit_bias"); empty from servers
+    # that do not report them
+    limits: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_pb(cls, pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
@@ -210,6 +213,8 @@ class ModelInfo:
             quantization=pb.quantization or "none",
             weight_formats=list(pb.weight_formats),
             lora_adapters=[a.name for a in pb.lora_adapters],
+            limits={f.name: getattr(pb.limits, f.name) for f in pb.limits.DESCRIPTOR.fields}
+            if pb.HasField("limits") else {},
         )
 
 

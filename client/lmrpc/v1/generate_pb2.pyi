@@ -1121,6 +1121,7 @@ class GetModelInfoResponse(_message.Message):
     ACCEPTS_INPUT_EMBEDS_FIELD_NUMBER: _builtins.int
     EXPERTS_FIELD_NUMBER: _builtins.int
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Where the weights were loaded from (a directory or a GGUF file)."""
     served_model_name: _builtins.str
@@ -1168,6 +1169,12 @@ class GetModelInfoResponse(_message.Message):
     def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
         """The LoRA adapters loaded now, least recently used first (empty: none)."""
 
+    @_builtins.property
+    def limits(self) -> Global___RequestLimits:
+        """What one request may ask for; more is refused with INVALID_ARGUMENT naming the limit, before any work is done
+        for the request. Unset from servers before it existed.
+        """
+
     def __init__(
         self,
         *,
@@ -1186,14 +1193,103 @@ class GetModelInfoResponse(_message.Message):
         accepts_input_embeds: _builtins.bool = ...,
         experts: Global___ExpertsInfo | None = ...,
         lora_adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
+        limits: Global___RequestLimits | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["default_sampling_params", b"default_sampling_params", "experts", b"experts"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["default_sampling_params", b"default_sampling_params", "experts", b"experts", "limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_input_embeds", b"accepts_input_embeds", "architecture", b"architecture", "default_sampling_params", b"default_sampling_params", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "experts", b"experts", "hidden_size", b"hidden_size", "lora_adapters", b"lora_adapters", "max_context_length", b"max_context_length", "model_path", b"model_path", "quantization", b"quantization", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size", "weight_formats", b"weight_formats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_input_embeds", b"accepts_input_embeds", "architecture", b"architecture", "default_sampling_params", b"default_sampling_params", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "experts", b"experts", "hidden_size", b"hidden_size", "limits", b"limits", "lora_adapters", b"lora_adapters", "max_context_length", b"max_context_length", "model_path", b"model_path", "quantization", b"quantization", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size", "weight_formats", b"weight_formats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class RequestLimits(_message.Message):
+    """RequestLimits are the bounds this server checks on every request (its --max-* flags and the model's own limits)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_OUTPUTS_PER_CALL_FIELD_NUMBER: _builtins.int
+    MAX_LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    MAX_STOP_FIELD_NUMBER: _builtins.int
+    MAX_STOP_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_LOGPROB_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    MAX_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    MAX_GRAMMAR_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_GRAMMAR_DEPTH_FIELD_NUMBER: _builtins.int
+    MAX_GRAMMAR_RULES_FIELD_NUMBER: _builtins.int
+    MAX_REQUEST_ID_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_MEDIA_ITEMS_FIELD_NUMBER: _builtins.int
+    MAX_MEDIA_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _builtins.int
+    MAX_AUDIO_SECONDS_FIELD_NUMBER: _builtins.int
+    MIN_AUDIO_SAMPLES_FIELD_NUMBER: _builtins.int
+    AUDIO_SAMPLING_RATE_FIELD_NUMBER: _builtins.int
+    MAX_ADAPTER_NAME_CHARS_FIELD_NUMBER: _builtins.int
+    max_outputs_per_call: _builtins.int
+    """Outputs one call may ask for (prompts x n, or x best_of): what the server runs or queues at once."""
+    max_logit_bias: _builtins.int
+    """logit_bias entries of one sampling params."""
+    max_stop: _builtins.int
+    """stop strings, stop regexes and stop token ids of one sampling params, each."""
+    max_stop_chars: _builtins.int
+    """Characters of one stop string or stop regex."""
+    max_logprob_token_ids: _builtins.int
+    """token_ids_logprob entries of one request."""
+    max_top_logprobs: _builtins.int
+    """top_logprobs_num (OpenAIService: logprobs, top_logprobs) at most."""
+    max_grammar_bytes: _builtins.int
+    """Bytes of one structured-output constraint (json_schema, regex, ebnf, structural_tag)."""
+    max_grammar_depth: _builtins.int
+    """Nesting depth of a JSON schema (objects and arrays), or of an EBNF grammar's groups."""
+    max_grammar_rules: _builtins.int
+    """Rules of one EBNF grammar."""
+    max_request_id_chars: _builtins.int
+    """Characters of a request id (rid, x-request-id)."""
+    max_media_items: _builtins.int
+    """Images and audio clips of one prompt together (multimodal models)."""
+    max_media_bytes: _builtins.int
+    """Encoded bytes of one media item, however it came."""
+    max_image_pixels: _builtins.int
+    """Width x height of one decoded image."""
+    max_audio_seconds: _builtins.float
+    """Longest audio clip: the smaller of the server's --max-audio-seconds and the model's own limit (0: the model
+    takes no audio).
+    """
+    min_audio_samples: _builtins.int
+    """Shortest audio clip, in samples at audio_sampling_rate: fewer give the model's encoder no position."""
+    audio_sampling_rate: _builtins.int
+    """Samples per second clips are resampled to (0: the model takes no audio)."""
+    max_adapter_name_chars: _builtins.int
+    """Characters of a LoRA adapter's name."""
+    def __init__(
+        self,
+        *,
+        max_outputs_per_call: _builtins.int = ...,
+        max_logit_bias: _builtins.int = ...,
+        max_stop: _builtins.int = ...,
+        max_stop_chars: _builtins.int = ...,
+        max_logprob_token_ids: _builtins.int = ...,
+        max_top_logprobs: _builtins.int = ...,
+        max_grammar_bytes: _builtins.int = ...,
+        max_grammar_depth: _builtins.int = ...,
+        max_grammar_rules: _builtins.int = ...,
+        max_request_id_chars: _builtins.int = ...,
+        max_media_items: _builtins.int = ...,
+        max_media_bytes: _builtins.int = ...,
+        max_image_pixels: _builtins.int = ...,
+        max_audio_seconds: _builtins.float = ...,
+        min_audio_samples: _builtins.int = ...,
+        audio_sampling_rate: _builtins.int = ...,
+        max_adapter_name_chars: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_sampling_rate", b"audio_sampling_rate", "max_adapter_name_chars", b"max_adapter_name_chars", "max_audio_seconds", b"max_audio_seconds", "max_grammar_bytes", b"max_grammar_bytes", "max_grammar_depth", b"max_grammar_depth", "max_grammar_rules", b"max_grammar_rules", "max_image_pixels", b"max_image_pixels", "max_logit_bias", b"max_logit_bias", "max_logprob_token_ids", b"max_logprob_token_ids", "max_media_bytes", b"max_media_bytes", "max_media_items", b"max_media_items", "max_outputs_per_call", b"max_outputs_per_call", "max_request_id_chars", b"max_request_id_chars", "max_stop", b"max_stop", "max_stop_chars", b"max_stop_chars", "max_top_logprobs", b"max_top_logprobs", "min_audio_samples", b"min_audio_samples"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestLimits: _TypeAlias = RequestLimits  # noqa: Y015
 
 @_typing.final
 class LoraAdapter(_message.Message):

@@ -20,6 +20,7 @@ from lmrpc.server.config import (
     LoraConfig,
     MediaConfig,
     ModelConfig,
+    RequestLimits,
     SchedulerConfig,
     ServerConfig,
     TransportConfig,
@@ -93,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_hardening_flags(p)
     _add_lora_flags(p)
     _add_media_flags(p)
+    _add_limit_flags(p)
     return p.parse_args(argv)
 
 
@@ -142,6 +144,19 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
                    help="length of one audio clip, checked before it is decoded (600)")
     m.add_argument("--max-media-items", type=int, default=16, metavar="N",
                    help="images and audio clips of one prompt together (16)")
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("request limits", "what one request may ask for, refused (INVALID_ARGUMENT) before any "
+                                               "work; GetModelInfo reports them")
+    g.add_argument("--max-logit-bias", type=int, default=4096, metavar="N",
+                   help="logit_bias entries of one sampling params (4096)")
+    g.add_argument("--max-stop", type=int, default=1024, metavar="N",
+                   help="stop strings, stop regexes and stop token ids of one sampling params, each (1024)")
+    g.add_argument("--max-stop-chars", type=int, default=1024, metavar="N",
+                   help="characters of one stop string or stop regex (1024)")
+    g.add_argument("--max-logprob-token-ids", type=int, default=256, metavar="N",
+                   help="token_ids_logprob entries of one request (256)")
 
 
 def _add_hardening_flags(p: argparse.ArgumentParser) -> None:
@@ -238,9 +253,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                             chat_template=read_chat_template(args.chat_template), api_keys=keys,
                             stalled_stream_timeout=args.stalled_stream_timeout,
                             max_queued_per_client=args.max_queued_per_client,
-                            engine_stall_timeout=args.engine_stall_timeout, media=media_config(args))
+                            engine_stall_timeout=args.engine_stall_timeout, media=media_config(args),
+                            limits=RequestLimits(max_logit_bias=args.max_logit_bias, max_stop=args.max_stop,
+                                                 max_stop_chars=args.max_stop_chars,
+                                                 max_logprob_token_ids=args.max_logprob_token_ids))
     except ValueError as e:
-        _flag_error(ValueError(str(e).replace("api_key_file", "--api-key-file")), ServerConfig)
+        _flag_error(ValueError(str(e).replace("api_key_file", "--api-key-file")), ServerConfig, RequestLimits)
 
 
 def media_config(args: argparse.Namespace) -> MediaConfig:

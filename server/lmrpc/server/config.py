@@ -226,6 +226,24 @@ class MediaConfig:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, checked from the request's own numbers before any work is done for it
+    (validation.check_sizes) and published in GetModelInfo's limits. Field names are the flags' (--max-logit-bias,
+    ...); docs/reliability.md says why each default is what it is."""
+
+    max_logit_bias: int = 4096  # logit_bias entries of one sampling params; [1, 1048576]
+    max_stop: int = 1024  # stop strings, stop regexes and stop token ids of one sampling params, each; [1, 1048576]
+    max_stop_chars: int = 1024  # characters of one stop string or stop regex; [1, 1048576]
+    max_logprob_token_ids: int = 256  # token_ids_logprob entries (each output position answers one per id); [1, 1M]
+
+    def __post_init__(self) -> None:
+        for name in ("max_logit_bias", "max_stop", "max_stop_chars", "max_logprob_token_ids"):
+            value = getattr(self, name)
+            if not 1 <= value <= 1 << 20:
+                raise ValueError(f"{name} must be in [1, {1 << 20}], got {value}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The gRPC front."""
 
@@ -247,6 +265,7 @@ class ServerConfig:
     # services report NOT_SERVING and calls in flight end UNAVAILABLE (liveness fails at 3x, or when it died).
     engine_stall_timeout: float = 60.0
     media: MediaConfig = field(default_factory=MediaConfig)  # media items' sources and limits
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -86,6 +86,9 @@ class Frontend:
 
     def new_rid(self, given: str | None) -> str:
         """`given`, or a fresh id; a given id still running is a user error."""
+        c = validation.Collector()
+        validation.check_rids(c, "rid", [given] if given else [])
+        c.raise_if_any()
         if given and self.engine.is_live(given):
             raise validation.invalid("rid", f"request id {given!r} is already running")
         return given or uuid.uuid4().hex
@@ -93,6 +96,11 @@ class Frontend:
     def client_of(self, context: grpc.aio.ServicerContext) -> str:
         """Who is calling: its API key's fingerprint (with --api-key-file), else its peer's address."""
         return auth.client_identity(context.invocation_metadata(), context.peer() or "", self.server_config.api_keys)
+
+    @property
+    def capacity(self) -> int:
+        """Outputs the server runs or queues at once: a call asking for more could never be admitted."""
+        return self.engine_config.scheduler.max_running_requests + self.server_config.max_queued_requests
 
     # ---- media -------------------------------------------------------------------------------------------------
 
@@ -134,7 +142,7 @@ class Frontend:
                        priority: int = 0) -> AsyncIterator[list[EngineRequest]]:
         """Count `requests` in flight for the block, as the calling client's, at `priority`; yields them tagged so.
         Over the server's limit, or over the client's share of the queue, the call ends RESOURCE_EXHAUSTED."""
-        limit = self.engine_config.scheduler.max_running_requests + self.server_config.max_queued_requests
+        limit = self.capacity
         if self._outputs_in_flight + len(requests) > limit:
             await context.abort_with_status(validation.resource_exhausted_status(limit))
         client = self.client_of(context)

@@ -108,6 +108,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
 
     async def _build(self, req: generate_pb2.GenerateRequest, default_rid: str | None) -> list[EngineRequest]:
         num_prompts = validation.check_shape(req)
+        validation.check_generate_sizes(req, num_prompts, self.frontend.server_config.limits, self.frontend.capacity)
         validation.check_media_shape(req, num_prompts)
         info = self.engine.model_info
         hidden = validation.hidden_states_mode(req, info)

@@ -15,7 +15,7 @@ import asyncio
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import grpc
 import numpy as np
@@ -31,6 +31,7 @@ from lmrpc.server.protocol import Constraint, HiddenStatesMode, ModelInfo, Promp
 from lmrpc.v1 import generate_pb2, openai_pb2
 
 if TYPE_CHECKING:
+    from lmrpc.server.config import RequestLimits
     from lmrpc.server.lora.registry import LoadedAdapter, LoraRegistry
 
 # The requests that may ask for hidden states and routed experts: the four fields are spelled alike in all three.
@@ -71,22 +72,57 @@ class RequestError(Exception):
         self.violations = violations
 
 
+# Bounds on what an error may carry back: grpc-message and the BadRequest details travel as trailers, and gRPC
+# clients refuse trailers over 8 KiB by default (a larger error reaches them as RESOURCE_EXHAUSTED, with the real
+# status and every field lost). The first MAX_VIOLATIONS violations are sent, then one saying how many more; a
+# field name or description is cut to its bound, and the violations' UTF-8 to MAX_ERROR_BYTES in all (the message
+# is percent-encoded, at most 3 bytes per byte: ~3.6 KiB; the details are base64: ~1.7 KiB).
+MAX_VIOLATIONS = 20
+MAX_FIELD_CHARS = 100
+MAX_DESCRIPTION_CHARS = 200
+MAX_ERROR_BYTES = 1200
+
+
+def clip(text: str, limit: int = MAX_DESCRIPTION_CHARS) -> str:
+    """`text` cut to at most `limit` characters, marked where it was cut (user input echoed in an error)."""
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
+def bounded(violations: Sequence[Violation]) -> list[Violation]:
+    """The violations an error carries: at most MAX_VIOLATIONS, each field and description clipped, their UTF-8
+    within MAX_ERROR_BYTES (the first is always sent), and a last one counting the rest."""
+    out: list[Violation] = []
+    size = 0
+    for v in violations:
+        cut = Violation(clip(v.field, MAX_FIELD_CHARS), clip(v.description))
+        size += len(cut.field.encode()) + len(cut.description.encode()) + 4
+        if out and (len(out) == MAX_VIOLATIONS or size > MAX_ERROR_BYTES):
+            break
+        out.append(cut)
+    if len(out) < len(violations):
+        out.append(Violation("(more)", f"and {len(violations) - len(out)} more violations not listed"))
+    return out
+
+
 def to_status(error: RequestError) -> grpc.Status:
+    """The error as a status whose message and details stay far below gRPC's 8 KiB trailer limit (bounded)."""
     from grpc_status import rpc_status
 
+    violations = bounded(error.violations)
     detail = any_pb2.Any()
     if error.code is grpc.StatusCode.FAILED_PRECONDITION:
         detail.Pack(error_details_pb2.PreconditionFailure(violations=[
             error_details_pb2.PreconditionFailure.Violation(type=v.field, description=v.description)
-            for v in error.violations
+            for v in violations
         ]))
     else:
         detail.Pack(error_details_pb2.BadRequest(field_violations=[
             error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-            for v in error.violations
+            for v in violations
         ]))
     code: int = error.code.value[0]  # grpc.StatusCode values are (number, name)
-    return rpc_status.to_status(status_pb2.Status(code=code, message=str(error), details=[detail]))
+    message = "; ".join(f"{v.field}: {v.description}" for v in violations)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=[detail]))
 
 
 def resource_exhausted_status(limit: int) -> grpc.Status:
@@ -128,6 +164,19 @@ class Collector:
             raise RequestError(code, self.violations)
 
 
+MAX_RID_CHARS = 256  # a request id is a name for logs, metrics and Abort, not a payload
+
+
+def check_rids(c: Collector, field: str, rids: Sequence[str]) -> None:
+    """Request ids: at most MAX_RID_CHARS printable characters each (they are echoed in logs and headers)."""
+    for i, rid in enumerate(rids):
+        if len(rid) > MAX_RID_CHARS or not rid.isprintable():
+            c.check(False, f"{field}[{i}]" if len(rids) > 1 else field,
+                    f"a request id is at most {MAX_RID_CHARS} printable characters, got {len(rid)} characters "
+                    f"{'with control characters' if not rid.isprintable() else ''}".rstrip())
+            return
+
+
 def check_shape(req: generate_pb2.GenerateRequest) -> int:
     """Request shape; returns the number of prompts."""
     c = Collector()
@@ -148,12 +197,69 @@ def check_shape(req: generate_pb2.GenerateRequest) -> int:
             f"give 0, 1 or one per prompt ({n}), got {len(req.lora_path)}")
     c.check(len(set(req.rid)) == len(req.rid), "rid", "request ids must be distinct")
     c.check(all(req.rid), "rid", "request ids must not be empty")
+    check_rids(c, "rid", req.rid)
     ns = {sp.n if sp.HasField("n") else 1 for sp in req.sampling_params}
     c.check(len(ns) <= 1, "sampling_params.n", "all prompts of a request must use the same n")
     c.check(req.top_logprobs_num >= 0 and req.top_logprobs_num <= MAX_TOP_LOGPROBS, "top_logprobs_num",
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
     c.raise_if_any()
     return n
+
+
+class SizedSampling(Protocol):
+    """The sampling lists whose sizes are bounded: GenerateService's SamplingParams and the OpenAI requests spell
+    them alike."""
+
+    @property
+    def logit_bias(self) -> Mapping[int, float]: ...
+    @property
+    def stop(self) -> Sequence[str]: ...
+    @property
+    def stop_token_ids(self) -> Sequence[int]: ...
+    @property
+    def stop_regex(self) -> Sequence[str]: ...
+
+
+def check_sizes(c: Collector, sampling: Sequence[tuple[str, SizedSampling]], limits: RequestLimits) -> None:
+    """Each sampling params' lists within the server's limits, counted before any entry is read (a request of
+    100,000 logit_bias keys is refused for its count, not checked key by key). `sampling`: (field prefix, params)."""
+    for at, sp in sampling:
+        lists = {"logit_bias": (len(sp.logit_bias), limits.max_logit_bias, "--max-logit-bias"),
+                 "stop": (len(sp.stop), limits.max_stop, "--max-stop"),
+                 "stop_token_ids": (len(sp.stop_token_ids), limits.max_stop, "--max-stop"),
+                 "stop_regex": (len(sp.stop_regex), limits.max_stop, "--max-stop")}
+        for name, (count, limit, flag) in lists.items():
+            c.check(count <= limit, f"{at}{name}", f"has {count} entries; the server takes at most {limit} ({flag})")
+        for name, texts in (("stop", sp.stop), ("stop_regex", sp.stop_regex)):
+            if len(texts) <= limits.max_stop:  # (a longer list was refused for its count: not read)
+                longest = max((len(t) for t in texts), default=0)
+                c.check(longest <= limits.max_stop_chars, f"{at}{name}",
+                        f"an entry has {longest} characters; the server takes at most {limits.max_stop_chars} "
+                        "(--max-stop-chars)")
+
+
+def check_outputs(outputs: int, limit: int, field: str) -> None:
+    """A call whose outputs could never be admitted at once is a user error (not a retryable one); checked from the
+    request's own counts before anything is built for it."""
+    if outputs > limit:
+        raise invalid(field, f"the call asks for {outputs} outputs; this server runs or queues at most {limit} at "
+                             "once")
+
+
+def check_generate_sizes(req: generate_pb2.GenerateRequest, num_prompts: int, limits: RequestLimits,
+                         capacity: int) -> None:
+    """A GenerateRequest's counts, before tokenizing or building anything: outputs (prompts x n) within what the
+    server runs or queues, the sampling lists and token_ids_logprob within --max-* limits."""
+    n = max((sp.n for sp in req.sampling_params if sp.HasField("n")), default=1)
+    prompts = next(k for k in ("text", "input_ids", "input_embeds") if len(getattr(req, k)))
+    check_outputs(num_prompts * max(n, 1), capacity, "sampling_params.n" if n > 1 else prompts)
+    c = Collector()
+    prefix = (lambda i: "sampling_params.") if len(req.sampling_params) == 1 else (lambda i: f"sampling_params[{i}].")
+    check_sizes(c, [(prefix(i), sp) for i, sp in enumerate(req.sampling_params)], limits)
+    count = len(req.token_ids_logprob)
+    c.check(count <= limits.max_logprob_token_ids, "token_ids_logprob",
+            f"has {count} entries; the server takes at most {limits.max_logprob_token_ids} (--max-logprob-token-ids)")
+    c.raise_if_any()
 
 
 def check_media_shape(req: generate_pb2.GenerateRequest, num_prompts: int) -> None:

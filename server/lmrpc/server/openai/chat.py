@@ -49,9 +49,9 @@ async def plan(req: openai_pb2.ChatCompleteRequest, frontend: Frontend, template
     info = engine.model_info
     outputs = rules.model_outputs(req, info, routed_enabled)
     adapter_ref, adapter_field = rules.check_model(req.model, info.served_model_name, req.lora_path)
-    adapter = await validation.resolve_adapter(engine.lora, adapter_ref, adapter_field)
     options = rules.chat_options(req, RESERVED_KWARGS)
-    rules.check_capacity(options.n, capacity, "n")
+    validation.check_outputs(options.n, capacity, "n")
+    adapter = await validation.resolve_adapter(engine.lora, adapter_ref, adapter_field)
     template.require()
     media_items = rules.chat_media_items(req)
     processor = frontend.multimodal_processor() if media_items else None

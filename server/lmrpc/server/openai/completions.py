@@ -47,10 +47,10 @@ async def plan(req: openai_pb2.CompleteRequest, engine: AsyncEngine, fim_tokens:
     info = engine.model_info
     outputs = rules.model_outputs(req, info, routed_enabled)
     adapter_ref, adapter_field = rules.check_model(req.model, info.served_model_name, req.lora_path)
-    adapter = await validation.resolve_adapter(engine.lora, adapter_ref, adapter_field)
     options = rules.completion_options(req)
     num_prompts = len(req.prompt) or len(req.prompt_token_ids)
-    rules.check_capacity(num_prompts * options.best_of, capacity, "best_of" if req.HasField("best_of") else "n")
+    validation.check_outputs(num_prompts * options.best_of, capacity, "best_of" if req.HasField("best_of") else "n")
+    adapter = await validation.resolve_adapter(engine.lora, adapter_ref, adapter_field)
     if options.suffix and fim_tokens is None:
         raise validation.invalid("suffix", "this model's tokenizer has no fill-in-the-middle tokens, so it cannot "
                                            "complete text before a suffix")

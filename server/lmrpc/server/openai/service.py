@@ -46,8 +46,7 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
 
     @property
     def _capacity(self) -> int:
-        config = self.frontend
-        return config.engine_config.scheduler.max_running_requests + config.server_config.max_queued_requests
+        return self.frontend.capacity
 
     @property
     def _routed_enabled(self) -> bool:
@@ -102,6 +101,9 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         default_rid = self.frontend.metadata_rid(context)
         call.rid = call.rid or default_rid
         try:
+            c = validation.Collector()
+            validation.check_sizes(c, [("", request)], self.frontend.server_config.limits)
+            c.raise_if_any()
             rid = self.frontend.new_rid(request.rid or default_rid)
             plan = await build(rid)
         except validation.RequestError as exc:

@@ -215,13 +215,6 @@ def _n(c: Collector, req: OpenAIRequest) -> int:
     return n
 
 
-def check_capacity(outputs: int, limit: int, field: str) -> None:
-    """A call whose outputs could never be admitted at once is a user error (not a retryable one)."""
-    if outputs > limit:
-        raise validation.invalid(field, f"the call asks for {outputs} outputs; this server runs or queues at most "
-                                        f"{limit} at once")
-
-
 # ---- completions -----------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,123 @@
+"""Request limits checked from the request's own counts before any work (validation.check_generate_sizes,
+check_sizes, check_outputs, check_rids), and errors bounded so every gRPC client can read them (to_status)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from lmrpc.server import validation
+from lmrpc.server.config import RequestLimits
+from lmrpc.v1 import generate_pb2, openai_pb2
+
+LIMITS = RequestLimits()
+CAPACITY = 320
+
+
+def _refused(req: generate_pb2.GenerateRequest) -> validation.RequestError:
+    with pytest.raises(validation.RequestError) as info:
+        validation.check_generate_sizes(req, validation.check_shape(req), LIMITS, CAPACITY)
+    return info.value
+
+
+def _trailer_bytes(error: validation.RequestError) -> int:
+    """What the status costs as trailers: grpc-status, grpc-message (percent-encoded at worst 3 bytes per byte of
+    UTF-8 outside printable ASCII) and grpc-status-details-bin (base64)."""
+    status = validation.to_status(error)
+    [(_, details)] = [kv for kv in status.trailing_metadata if kv[0] == "grpc-status-details-bin"]
+    message = status.details.encode()
+    encoded = sum(1 if 0x20 <= b < 0x7F and b != 0x25 else 3 for b in message)
+    return len("grpc-status") + 2 + len("grpc-message") + encoded + len("grpc-status-details-bin") + \
+        (len(details) + 2) // 3 * 4
+
+
+def test_huge_n_is_refused_from_its_count_at_once() -> None:
+    req = generate_pb2.GenerateRequest(text=["hi"], sampling_params=[generate_pb2.SamplingParams(n=2**31 - 1)])
+    start = time.perf_counter()
+    error = _refused(req)
+    assert time.perf_counter() - start < 0.1  # nothing proportional to n was built
+    assert error.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert error.violations[0].field == "sampling_params.n"
+    assert f"at most {CAPACITY}" in error.violations[0].description
+
+
+def test_prompts_times_n_counts_against_the_capacity() -> None:
+    ok = generate_pb2.GenerateRequest(input_ids=[generate_pb2.TokenIds(ids=[1])] * 32,
+                                      sampling_params=[generate_pb2.SamplingParams(n=10)])
+    validation.check_generate_sizes(ok, validation.check_shape(ok), LIMITS, CAPACITY)  # 320: at the limit
+    over = generate_pb2.GenerateRequest(input_ids=[generate_pb2.TokenIds(ids=[1])] * 33,
+                                        sampling_params=[generate_pb2.SamplingParams(n=10)])
+    assert "asks for 330 outputs" in _refused(over).violations[0].description
+
+
+@pytest.mark.parametrize(("field", "make", "limit"), [
+    ("logit_bias", lambda k: generate_pb2.SamplingParams(logit_bias={i: 1.0 for i in range(k)}), LIMITS.max_logit_bias),
+    ("stop", lambda k: generate_pb2.SamplingParams(stop=["x"] * k), LIMITS.max_stop),
+    ("stop_token_ids", lambda k: generate_pb2.SamplingParams(stop_token_ids=[10**6] * k), LIMITS.max_stop),
+    ("stop_regex", lambda k: generate_pb2.SamplingParams(stop_regex=["x"] * k), LIMITS.max_stop),
+])
+def test_sampling_lists_are_bounded_by_count(field: str, make, limit: int) -> None:  # type: ignore[no-untyped-def]
+    at_limit = generate_pb2.GenerateRequest(text=["hi"], sampling_params=[make(limit)])
+    validation.check_generate_sizes(at_limit, 1, LIMITS, CAPACITY)
+    error = _refused(generate_pb2.GenerateRequest(text=["hi"], sampling_params=[make(limit + 1)]))
+    [v] = error.violations
+    assert v.field == f"sampling_params.{field}"
+    assert f"has {limit + 1} entries" in v.description and f"at most {limit}" in v.description
+
+
+def test_stop_strings_are_bounded_in_length() -> None:
+    long = "x" * (LIMITS.max_stop_chars + 1)
+    error = _refused(generate_pb2.GenerateRequest(
+        text=["hi"], sampling_params=[generate_pb2.SamplingParams(stop=["a", long])]))
+    assert error.violations[0].field == "sampling_params.stop"
+    assert "--max-stop-chars" in error.violations[0].description
+
+
+def test_token_ids_logprob_is_bounded() -> None:
+    error = _refused(generate_pb2.GenerateRequest(
+        text=["hi"], token_ids_logprob=list(range(LIMITS.max_logprob_token_ids + 1))))
+    assert error.violations[0].field == "token_ids_logprob"
+
+
+def test_openai_requests_are_bounded_by_the_same_rules() -> None:
+    req = openai_pb2.ChatCompleteRequest(logit_bias={i: 1.0 for i in range(LIMITS.max_logit_bias + 1)})
+    c = validation.Collector()
+    validation.check_sizes(c, [("", req)], LIMITS)
+    assert [v.field for v in c.violations] == ["logit_bias"]
+
+
+@pytest.mark.parametrize("rid", ["r" * (validation.MAX_RID_CHARS + 1), "a\nb", "a\x00b"])
+def test_request_ids_are_short_and_printable(rid: str) -> None:
+    with pytest.raises(validation.RequestError) as info:
+        validation.check_shape(generate_pb2.GenerateRequest(text=["hi"], rid=[rid]))
+    assert info.value.violations[0].field == "rid"
+
+
+def test_every_error_fits_in_8_kib_of_trailers() -> None:
+    """10,000 violations of 10,000-character fields and descriptions, 4-byte characters in the description (the
+    worst case for grpc-message's percent-encoding): the status names the first few, counts the rest, and costs
+    well under the 8 KiB of trailers a default gRPC client accepts."""
+    field, description = "f" * 10_000, "d\U0001F600" * 5_000
+    error = validation.RequestError(grpc.StatusCode.INVALID_ARGUMENT, [
+        validation.Violation(field + str(i), description) for i in range(10_000)])
+    size = _trailer_bytes(error)
+    assert size < 8 * 1024 - 1024  # a margin for grpc-status and the ORCA load report
+    status = validation.to_status(error)
+    detail = error_details_pb2.BadRequest()
+    [any_detail] = status_pb2.Status.FromString(dict(status.trailing_metadata)["grpc-status-details-bin"]).details
+    assert any_detail.Unpack(detail)
+    violations = list(detail.field_violations)
+    assert 1 < len(violations) <= validation.MAX_VIOLATIONS + 1
+    assert violations[-1].description.startswith("and ") and "more" in violations[-1].description
+    assert all(len(v.field) <= validation.MAX_FIELD_CHARS for v in violations)
+    assert all(len(v.description) <= validation.MAX_DESCRIPTION_CHARS for v in violations)
+
+
+def test_a_few_short_violations_are_sent_whole() -> None:
+    error = validation.RequestError(grpc.StatusCode.INVALID_ARGUMENT, [
+        validation.Violation("top_p", "must be in (0, 1], got 2.0"), validation.Violation("n", "must be >= 1")])
+    status = validation.to_status(error)
+    assert status.details == "top_p: must be in (0, 1], got 2.0; n: must be >= 1"
