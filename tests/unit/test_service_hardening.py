@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import shutil
 import struct
 import subprocess
@@ -153,6 +154,37 @@ async def test_a_stream_the_client_does_not_read_ends_resource_exhausted() -> No
         assert "stream stalled" in (info.value.details() or "")
         # Others are served meanwhile and after.
         assert [m async for m in stub.Generate(ids_request([5, 6], stream=True))]
+
+
+@pytest.mark.parametrize("leave_after", [2.5, 1.0])  # after the stall's abort began; about when the stall is seen
+async def test_a_stalled_client_that_leaves_is_one_warning_line_not_a_traceback(
+        leave_after: float, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that stops reading and then disconnects: the stalled write or the abort's status fails in gRPC's
+    core, which gRPC logged as an ERROR with a traceback (found by a hostile client). It is the client's fault: one
+    WARNING line per stalled call, no traceback, and the call's engine requests are aborted all the same."""
+    caplog.set_level(logging.WARNING)
+    engine = FakeEngine()
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    big = generate_pb2.GenerateRequest(input_ids=[generate_pb2.TokenIds(ids=[5] * 1500)] * 2, stream=True,
+                                       return_text_in_logprobs=True)
+    async with served(engine, stall=0.5) as (_, _, port):
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        calls = [stub.Generate(big) for _ in range(3)]
+        await asyncio.sleep(leave_after)  # reads nothing, then goes away
+        await channel.close()
+        for _ in range(50):
+            if engine.live == {}:
+                break
+            await asyncio.sleep(0.1)
+        assert engine.live == {}, "the stalled calls' engine requests were aborted"
+        del calls
+        await asyncio.sleep(0.5)  # the server's handlers finish
+    loud = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not loud, [f"{r.name}: {r.getMessage()}" for r in loud]
+    stalls = [r for r in caplog.records if r.name == "lmrpc.server.wire"]
+    assert stalls and all(r.levelno == logging.WARNING and "stream stalled" in r.getMessage() for r in stalls)
+    assert len(stalls) <= 3  # at most one line per call (a call may have seen the client leave first)
 
 
 # ---- per-client cap ------------------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from lmrpc.server.lora.errors import NAME_RULE, valid_name
+from lmrpc.server.userinput import clip
+
 if TYPE_CHECKING:
     from lmrpc.server.auth import ApiKeys
 
@@ -95,8 +98,11 @@ class LoraConfig:
         if self.max_loaded_loras < 1:
             raise ValueError(f"max_loaded_loras must be >= 1, got {self.max_loaded_loras}")
         names = [name for name, _ in self.lora_modules]
-        if len(set(names)) != len(names) or not all(names):
-            raise ValueError(f"lora_modules names must be non-empty and distinct, got {names}")
+        bad = [name for name in names if not valid_name(name)]
+        if bad:
+            raise ValueError(f"lora_modules names must be {NAME_RULE}, got {clip(repr(bad[0]))}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must be distinct, got {clip(repr(names))}")
         if len(names) > self.max_loaded_loras:
             raise ValueError(f"{len(names)} lora_modules exceed max_loaded_loras {self.max_loaded_loras}")
         if self.lora_root is not None and not os.path.isdir(self.lora_root):

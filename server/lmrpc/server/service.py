@@ -311,7 +311,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         try:
             adapter = await asyncio.to_thread(self.engine.lora.load, request.name, request.path, confined=True)
         except AdapterError as exc:
-            await context.abort_with_status(validation.to_status(validation.adapter_error(exc, "path")))
+            await context.abort_with_status(validation.to_status(validation.adapter_error(exc, exc.field or "path")))
         info = next((a for a in self.engine.lora.list() if a.name == adapter.name), None)
         return generate_pb2.LoadLoraAdapterResponse(adapter=_adapter_pb(info) if info is not None else None)
 

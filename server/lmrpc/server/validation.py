@@ -28,6 +28,7 @@ from lmrpc.server.media.ingest import WireItem
 from lmrpc.server.media.sources import SourceError, SourceErrorKind
 from lmrpc.server.media.types import MediaError, Modality
 from lmrpc.server.protocol import Constraint, HiddenStatesMode, ModelInfo, PromptEmbeddings, SamplingParams
+from lmrpc.server.userinput import clip
 from lmrpc.v1 import generate_pb2, openai_pb2
 
 if TYPE_CHECKING:
@@ -83,18 +84,13 @@ MAX_DESCRIPTION_CHARS = 200
 MAX_ERROR_BYTES = 1200
 
 
-def clip(text: str, limit: int = MAX_DESCRIPTION_CHARS) -> str:
-    """`text` cut to at most `limit` characters, marked where it was cut (user input echoed in an error)."""
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
-
-
 def bounded(violations: Sequence[Violation]) -> list[Violation]:
     """The violations an error carries: at most MAX_VIOLATIONS, each field and description clipped, their UTF-8
     within MAX_ERROR_BYTES (the first is always sent), and a last one counting the rest."""
     out: list[Violation] = []
     size = 0
     for v in violations:
-        cut = Violation(clip(v.field, MAX_FIELD_CHARS), clip(v.description))
+        cut = Violation(clip(v.field, MAX_FIELD_CHARS), clip(v.description, MAX_DESCRIPTION_CHARS))
         size += len(cut.field.encode()) + len(cut.description.encode()) + 4
         if out and (len(out) == MAX_VIOLATIONS or size > MAX_ERROR_BYTES):
             break

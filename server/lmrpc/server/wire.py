@@ -8,13 +8,16 @@ closes the servicer's generator and so aborts its engine requests (their pages f
 All of it is done by wrapping the method handler an interceptor gets from the service (after tracing wrapped it):
 its request deserializer and its behaviour, of whichever of the four kinds it is. A server-streaming behaviour
 becomes a coroutine writing with `context.write`, which returns only once HTTP/2 flow control lets the message go,
-so a client that stops reading is seen, where a yielded message would wait for it forever.
+so a client that stops reading is seen, where a yielded message would wait for it forever. A stall is the client's
+fault, logged as one WARNING line; a write that fails because the client went away ends the call quietly (gRPC would
+log either as an ERROR with a traceback).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -25,6 +28,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 LMRPC_SERVICE_PREFIX = "lmrpc."  # services whose calls carry load reports
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ def wrap(handler: grpc.RpcMethodHandler, before: Before | None = None,
         fields["unary_unary"] = _unary_request(handler.unary_unary, before)
     elif handler.unary_stream is not None and stall_timeout is not None and inspect.isasyncgenfunction(
             handler.unary_stream):
-        fields["unary_stream"] = _written(handler.unary_stream, before, stall_timeout)
+        fields["unary_stream"] = _written(handler.unary_stream, before, stall_timeout, name)
     elif handler.unary_stream is not None:
         fields["unary_stream"] = _unary_request(handler.unary_stream, before)
     elif handler.stream_unary is not None:
@@ -127,8 +132,8 @@ async def _write_within(context: grpc.aio.ServicerContext, response: Any, timeou
         await asyncio.wait_for(context.write(response), timeout)
 
 
-def _written(behavior: Callable[..., AsyncGenerator[Any, None]], before: Before | None,
-             timeout: float) -> Callable[..., Awaitable[None]]:
+def _written(behavior: Callable[..., AsyncGenerator[Any, None]], before: Before | None, timeout: float,
+             type_name: str) -> Callable[..., Awaitable[None]]:
     async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
         if isinstance(request, Undecodable):
             await _refuse(request, context)
@@ -141,15 +146,36 @@ def _written(behavior: Callable[..., AsyncGenerator[Any, None]], before: Before 
                     await _write_within(context, response, timeout)
                 except asyncio.TimeoutError:
                     message = stalled_message(timeout)
+                    logger.warning("%s (a %s call from %s): ended RESOURCE_EXHAUSTED", message,
+                                   type_name.rpartition(".")[2], context.peer())
                     # The code first, so that the servicer's observation of the call (closing now) reports it.
                     context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
                     context.set_details(message)
                     await responses.aclose()
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+                    await _abort_gone_quietly(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+                except grpc.aio.InternalError as exc:  # (ExecuteBatchError) the write failed: the client is gone
+                    raise _gone(exc) from exc
         if before is not None:
             before(context)
 
     return writer
+
+
+async def _abort_gone_quietly(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """context.abort (raising AbortError, as always); where sending the status fails because the client is gone
+    (one that stalled, then disconnected), the call ends as cancelled."""
+    try:
+        await context.abort(code, message)
+    except grpc.aio.InternalError as exc:
+        raise _gone(exc) from exc
+
+
+def _gone(exc: grpc.aio.InternalError) -> asyncio.CancelledError:
+    """What to raise for a batch the core failed because the client went away: gRPC logs an ExecuteBatchError as an
+    ERROR with a traceback unless it has already seen the client's cancel, which races with the failed write; a
+    CancelledError it logs at DEBUG, as the client's cancel it is."""
+    logger.debug("a write failed; the client is gone: %s", exc)
+    return asyncio.CancelledError()
 
 
 def _stream_request(behavior: Callable[..., Any], before: Before | None) -> Callable[..., Any]:

@@ -1,6 +1,7 @@
 """Reading a PEFT LoRA adapter (a directory with adapter_config.json and adapter_model.safetensors) and checking it
 against the served model: target modules among q, k, v, o, gate, up, down; rank at most `--max-lora-rank`; the
-scale alpha/r, or alpha/sqrt(r) with rsLoRA. No torch work beyond reading the tensors."""
+scale alpha/r, or alpha/sqrt(r) with rsLoRA. No torch work beyond reading the tensors. Under --lora-root both files
+are read through userinput.read_confined: a file symlinked out of the root is refused like a directory that is."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
+from lmrpc.server.userinput import OutsideRoot, clip, read_confined
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -45,7 +47,7 @@ class AdapterFile:
 
     def __post_init__(self) -> None:
         if self.rank < 1:
-            raise AdapterError(AdapterErrorKind.INVALID, f"adapter at {self.path}: rank {self.rank} must be >= 1")
+            raise AdapterError(AdapterErrorKind.INVALID, f"adapter at {clip(self.path)}: rank {self.rank} must be >= 1")
 
     @property
     def scale(self) -> float:
@@ -64,49 +66,73 @@ class ModelDims:
     features: dict[str, tuple[int, int]]  # PEFT module name -> (in_features, out_features)
 
 
-def read_adapter(directory: Path, dims: ModelDims, max_rank: int) -> AdapterFile:
-    """Read and check one adapter directory; raises AdapterError naming what does not fit."""
+def read_adapter(directory: Path, dims: ModelDims, max_rank: int, root: str | None = None) -> AdapterFile:
+    """Read and check one adapter directory; raises AdapterError naming what does not fit. root (a real path, the
+    adapter root of a request's load): every file must resolve under it."""
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    if not config_path.is_file() or not weights_path.is_file():
-        raise AdapterError(AdapterErrorKind.NOT_FOUND,
-                           f"no LoRA adapter at {directory}: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    config_bytes = _read(config_path, directory, root)
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterError(AdapterErrorKind.INVALID, f"{config_path}: unreadable adapter config: {exc}") from exc
+        config = json.loads(config_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(AdapterErrorKind.INVALID,
+                           f"{_shown(config_path)}: unreadable adapter config: {clip(str(exc))}") from exc
     if not isinstance(config, dict):
-        raise AdapterError(AdapterErrorKind.INVALID, f"{config_path}: the adapter config must be a JSON object")
+        raise AdapterError(AdapterErrorKind.INVALID, f"{_shown(config_path)}: the adapter config must be a JSON object")
     _check_config(config, config_path, max_rank)
+    weights = _read(weights_path, directory, root)
     try:
-        tensors = load_file(str(weights_path))
-    except (OSError, SafetensorError) as exc:
-        raise AdapterError(AdapterErrorKind.INVALID, f"{weights_path}: unreadable safetensors: {exc}") from exc
+        tensors = load_safetensors(weights)
+    except SafetensorError as exc:
+        raise AdapterError(AdapterErrorKind.INVALID,
+                           f"{_shown(weights_path)}: unreadable safetensors: {clip(str(exc))}") from exc
+    del weights  # the tensors are copies: let the file's bytes go before the products are built
     rank = int(config["r"])
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
         if match is None:
             raise AdapterError(AdapterErrorKind.INVALID,
-                               f"{weights_path}: tensor {key!r} is not a LoRA pair of a decoder layer's projection "
-                               f"(supported target modules: {', '.join(MODULES)})")
+                               f"{_shown(weights_path)}: tensor {clip(repr(key))} is not a LoRA pair of a decoder "
+                               f"layer's projection (supported target modules: {', '.join(MODULES)})")
         layer, module, which = int(match.group(1)), match.group(2), match.group(3)
         pairs.setdefault((layer, module), {})[which] = tensor
     modules = {key: _module(key, pair, dims, rank, weights_path) for key, pair in pairs.items()}
     if not modules:
-        raise AdapterError(AdapterErrorKind.INVALID, f"{weights_path}: no LoRA weights in the file")
+        raise AdapterError(AdapterErrorKind.INVALID, f"{_shown(weights_path)}: no LoRA weights in the file")
     return AdapterFile(str(directory), rank, float(config.get("lora_alpha", rank)),
                        bool(config.get("use_rslora", False)), modules)
 
 
+def _shown(path: Path) -> str:
+    """A path for an error message: derived from a request's path, so cut to userinput.MAX_ECHO_CHARS."""
+    return clip(str(path))
+
+
+def _read(path: Path, directory: Path, root: str | None) -> bytes:
+    """One file of the adapter (confined to `root` when given), as an AdapterError naming what is wrong."""
+    try:
+        return read_confined(str(path), root)
+    except OutsideRoot as exc:
+        raise AdapterError(AdapterErrorKind.PERMISSION,
+                           f"{_shown(path)} resolves outside the adapter root (--lora-root)") from exc
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+        raise AdapterError(AdapterErrorKind.NOT_FOUND, f"no LoRA adapter at {_shown(directory)}: it needs "
+                                                       f"{CONFIG_FILE} and {WEIGHTS_FILE} (files)") from exc
+    except OSError as exc:  # not a regular file (a FIFO, a device), no permission, an I/O error
+        raise AdapterError(AdapterErrorKind.INVALID, f"{_shown(path)}: unreadable: {exc.strerror or exc}") from exc
+
+
 def _check_config(config: dict[str, object], path: Path, max_rank: int) -> None:
     if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(AdapterErrorKind.INVALID, f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
+        raise AdapterError(AdapterErrorKind.INVALID,
+                           f"{_shown(path)}: peft_type {clip(repr(config.get('peft_type')))} is not LORA")
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
-        raise AdapterError(AdapterErrorKind.INVALID, f"{path}: r must be a positive integer, got {rank!r}")
+        raise AdapterError(AdapterErrorKind.INVALID,
+                           f"{_shown(path)}: r must be a positive integer, got {clip(repr(rank))}")
     if rank > max_rank:
         raise AdapterError(AdapterErrorKind.INVALID,
-                           f"{path}: rank {rank} is above this server's limit {max_rank} (--max-lora-rank)")
+                           f"{_shown(path)}: rank {rank} is above this server's limit {max_rank} (--max-lora-rank)")
     unsupported = [(key, config.get(key)) for key in ("rank_pattern", "alpha_pattern", "modules_to_save",
                                                       "layers_to_transform")
                    if config.get(key)]
@@ -116,13 +142,13 @@ def _check_config(config: dict[str, object], path: Path, max_rank: int) -> None:
         unsupported.append(("bias", config.get("bias")))
     if unsupported:
         names = ", ".join(f"{key}={value!r}" for key, value in unsupported)
-        raise AdapterError(AdapterErrorKind.INVALID, f"{path}: unsupported adapter settings: {names}")
+        raise AdapterError(AdapterErrorKind.INVALID, f"{_shown(path)}: unsupported adapter settings: {clip(names)}")
 
 
 def _module(key: tuple[int, str], pair: dict[str, torch.Tensor], dims: ModelDims, rank: int,
             path: Path) -> ModuleLora:
     layer, module = key
-    where = f"{path}: layer {layer} {module}"
+    where = f"{_shown(path)}: layer {layer} {module}"
     if module not in dims.features:
         raise AdapterError(AdapterErrorKind.INVALID,
                            f"{where}: target module {module!r} is not one of this model's ({', '.join(MODULES)})")

@@ -1,9 +1,11 @@
 """The loaded adapters: by name, least recently used first; loading by path only from under `--lora-root`; at most
-`--max-loaded-loras` held, ever. Loading one more evicts the least recently used adapter that no call is using and
-that was not loaded at start (`--lora-modules` adapters are pinned: requests may name them whatever else is loaded,
-and one outside `--lora-root` could not be loaded again by a request). When none may be evicted the load fails
-RESOURCE_EXHAUSTED (`LoadLoraAdapter`), or a request waits until a call ends (`wait_for_room`, used by
-validation.resolve_adapter).
+`--max-loaded-loras` held, ever. Names follow errors.NAME_RULE; a path is resolved under the root, and each file of
+the adapter is opened by a path that stays under it (userinput.open_confined: a symlinked file pointing out is refused).
+
+Loading one more evicts the least recently used adapter that no call is using and that was not loaded at start
+(`--lora-modules` adapters are pinned: requests may name them whatever else is loaded, and one outside `--lora-root`
+could not be loaded again by a request). When none may be evicted the load fails RESOURCE_EXHAUSTED
+(`LoadLoraAdapter`), or a request waits until a call ends (`wait_for_room`, used by validation.resolve_adapter).
 
 Thread-safety: resolve/load/unload/pin run on the event loop or in worker threads (loading reads files and packs
 weights); the engine thread only reads the `LoadedAdapter` objects that requests carry. A request keeps its
@@ -25,9 +27,10 @@ from pathlib import Path
 
 from lmrpc.server.config import LoraConfig
 from lmrpc.server.lora.adapter import ModelDims, read_adapter
-from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
+from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind, check_name
 from lmrpc.server.lora.products import LayerLora, build_layers, native_adapter
 from lmrpc.server.models.llama import LlamaForCausalLM
+from lmrpc.server.userinput import MAX_PATH_CHARS, OutsideRoot, clip, has_control, resolve_under
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,7 @@ class LoraRegistry:
     def resolve(self, ref: str) -> LoadedAdapter:
         """A request's adapter: a loaded name, else a path under --lora-root (absolute, or relative to the root),
         loaded now under that name. Blocking (may read files): call it off the event loop."""
+        _check_path_text(ref)  # (a name is a path under the root too)
         adapter = self.get(ref)
         if adapter is not None:
             return adapter
@@ -105,7 +109,8 @@ class LoraRegistry:
 
     def not_found(self, ref: str) -> AdapterError:
         loaded = ", ".join(repr(n) for n in self.names()) or "none"
-        return AdapterError(AdapterErrorKind.NOT_FOUND, f"LoRA adapter {ref!r} is not loaded (loaded: {loaded})")
+        return AdapterError(AdapterErrorKind.NOT_FOUND,
+                            f"LoRA adapter {clip(repr(ref))} is not loaded (loaded: {loaded})")
 
     def load(self, name: str, path: str, *, confined: bool, reuse: bool = False,
              pinned: bool = False) -> LoadedAdapter:
@@ -116,9 +121,10 @@ class LoraRegistry:
         if not self.enabled:
             raise AdapterError(AdapterErrorKind.UNAVAILABLE,
                                "this model serves no LoRA adapters (only the Llama family's native layers do)")
-        if not name:
-            raise AdapterError(AdapterErrorKind.INVALID, "an adapter needs a non-empty name")
+        # The path first when confined: a request's lora_path is both, and "../x" is an escape (PERMISSION), not a
+        # bad name.
         directory = self.check_path(path) if confined else Path(path)
+        check_name(name)
         with self._load_lock:
             with self._lock:
                 existing = self._loaded.get(name)
@@ -128,7 +134,7 @@ class LoraRegistry:
                 if reuse:
                     return existing
                 raise AdapterError(AdapterErrorKind.EXISTS, f"a LoRA adapter named {name!r} is already loaded")
-            adapter = self._read(name, directory)
+            adapter = self._read(name, directory, confined)
             with self._lock:
                 self._make_room(name)  # calls may have started using adapters while the files were read
                 self._loaded[name] = adapter
@@ -140,25 +146,30 @@ class LoraRegistry:
 
     def check_path(self, path: str) -> Path:
         """The adapter directory `path` names, if it lies under --lora-root (symlinks resolved); else
-        PERMISSION_DENIED. A request never makes the server read a file outside the root."""
+        PERMISSION_DENIED. A NUL or control character, or a path longer than PATH_MAX: INVALID. A request never
+        makes the server read a file outside the root (its files are opened by _read through open_confined)."""
+        shown = clip(repr(path))
         if self._root is None:
             raise AdapterError(AdapterErrorKind.PERMISSION,
-                               f"loading LoRA adapters by path is disabled (no --lora-root): {path!r}")
-        resolved = os.path.realpath(os.path.join(self._root, path))  # an absolute path replaces the root
-        if os.path.commonpath([resolved, self._root]) != self._root:
+                               f"loading LoRA adapters by path is disabled (no --lora-root): {shown}")
+        _check_path_text(path)
+        try:
+            resolved = resolve_under(self._root, path)
+        except OutsideRoot as exc:
             raise AdapterError(AdapterErrorKind.PERMISSION,
-                               f"LoRA adapter path {path!r} is outside the adapter root (--lora-root)")
+                               f"LoRA adapter path {shown} is outside the adapter root (--lora-root)") from exc
         if not os.path.isdir(resolved):
             raise AdapterError(AdapterErrorKind.NOT_FOUND,
-                               f"LoRA adapter {path!r} is not loaded and is no directory under the adapter root "
+                               f"LoRA adapter {shown} is not loaded and is no directory under the adapter root "
                                f"(loaded: {', '.join(repr(n) for n in self.names()) or 'none'})")
         return Path(resolved)
 
-    def _read(self, name: str, directory: Path) -> LoadedAdapter:
+    def _read(self, name: str, directory: Path, confined: bool) -> LoadedAdapter:
         model = self._model
         assert model is not None
         features = model.lora_features()
-        file = read_adapter(directory, ModelDims(model.shape.layers, features), self.config.max_lora_rank)
+        file = read_adapter(directory, ModelDims(model.shape.layers, features), self.config.max_lora_rank,
+                            root=self._root if confined else None)
         layers = build_layers(file, model.builder, model.shape.layers, features)
         return LoadedAdapter(name, next(self._uids), str(directory), file.rank, file.scale, file.target_modules,
                              layers, native_adapter(layers))
@@ -259,3 +270,11 @@ class LoraRegistry:
         with self._lock:
             return [AdapterInfo(a.name, a.path, a.rank, a.scale, a.target_modules, self._pins.get(a.uid, 0))
                     for a in self._loaded.values()]
+
+
+def _check_path_text(path: str) -> None:
+    """A NUL or control character, or more than PATH_MAX characters: INVALID (no name or path has them)."""
+    if has_control(path) or len(path) > MAX_PATH_CHARS:
+        raise AdapterError(AdapterErrorKind.INVALID,
+                           f"LoRA adapter path {clip(repr(path))} must be at most {MAX_PATH_CHARS} characters without "
+                           "NUL or control characters")
