@@ -1,5 +1,6 @@
-"""What the media tests share: a picture and a tone made here (encoded as PNG/JPEG/WebP, WAV/FLAC/MP3), and a
-loopback HTTP server started by the test (http.server on a thread) with the routes the fetch rules need."""
+"""What the media tests share: a picture (opaque, or with transparency) and a tone made here (encoded as
+PNG/JPEG/WebP, WAV/FLAC/MP3), and a loopback HTTP server started by the test (http.server on a thread) with the
+routes the fetch rules need."""
 
 from __future__ import annotations
 
@@ -31,6 +32,25 @@ def picture() -> Image.Image:
     y, x = np.mgrid[0:HEIGHT, 0:WIDTH]
     pixels = np.stack([x * 8, y * 10, (x * y) % 256], axis=-1).astype(np.uint8)
     return Image.fromarray(pixels, "RGB")
+
+
+def transparent(kind: str = "RGBA") -> Image.Image:
+    """The picture with transparency in one of the ways a PNG holds it: an alpha band ("RGBA", "LA"), a palette's
+    transparent entries ("P"), a colour key ("RGB+tRNS"). The alpha runs through every level, 0 and 255 among them."""
+    base = picture()
+    y, x = np.mgrid[0:HEIGHT, 0:WIDTH]
+    alpha = Image.fromarray(((x * 11 + y * 7) % 256).astype(np.uint8), "L")
+    if kind in ("RGBA", "LA"):
+        image = base if kind == "RGBA" else base.convert("L")
+        image.putalpha(alpha)
+        return image
+    if kind == "P":
+        palette = base.quantize(16)
+        palette.info["transparency"] = bytes([0, 128] + [255] * 14)
+        return palette
+    assert kind == "RGB+tRNS"
+    base.info["transparency"] = tuple(int(v) for v in np.asarray(base)[0, 0])
+    return base
 
 
 def encoded(fmt: str, image: Image.Image | None = None) -> bytes:

@@ -4,6 +4,7 @@ same picture from bytes, a data: URI, a loopback URL and a local path digests al
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,10 @@ from media_fixtures import (
     picture,
     png_header_only,
     tone,
+    transparent,
 )
+from PIL import Image
+from transformers.image_transforms import convert_to_rgb
 
 from lmrpc.server.config import MediaConfig
 from lmrpc.server.media import decode
@@ -49,9 +53,21 @@ def test_digest_is_of_the_pixels_not_the_encoding() -> None:
     assert decode.decode_image(encoded("WEBP"), FIELD, 10_000)[1] == png  # lossless WebP: the same pixels
     assert decode.decode_image(encoded("JPEG"), FIELD, 10_000)[1] != png  # lossy: other pixels
     rgba = picture().convert("RGBA")
-    assert decode.decode_image(encoded("PNG", rgba), FIELD, 10_000)[1] == png  # alpha dropped: RGB pixels equal
+    assert decode.decode_image(encoded("PNG", rgba), FIELD, 10_000)[1] == png  # opaque: the same RGB pixels
     other = picture().transpose(0)
     assert decode.decode_image(encoded("PNG", other), FIELD, 10_000)[1] != png
+
+
+@pytest.mark.parametrize("kind", ["RGBA", "LA", "P", "RGB+tRNS"])
+def test_transparency_is_composited_onto_white_as_the_processors_do(kind: str) -> None:
+    data = encoded("PNG", transparent(kind))
+    raw = Image.open(io.BytesIO(data))
+    expected = convert_to_rgb(raw, return_numpy=True)  # what every HF image processor does first (do_convert_rgb)
+    image, digest = decode.decode_image(data, FIELD, 10_000)
+    assert image.mode == "RGB" and np.array_equal(np.asarray(image), expected)
+    dropped = raw.convert("RGB")  # alpha dropped: other pixels (black, or the colour under it), another digest
+    assert not np.array_equal(np.asarray(dropped), expected)
+    assert digest != decode.image_digest(dropped) and digest == decode.image_digest(Image.fromarray(expected))
 
 
 @pytest.mark.parametrize(("data", "says"), [
@@ -65,13 +81,24 @@ def test_undecodable_images_name_the_item(data: bytes, says: str) -> None:
     assert err.value.field == FIELD and says in err.value.message
 
 
-def test_too_many_pixels_is_refused_before_decoding() -> None:
-    with pytest.raises(MediaError, match="--max-image-pixels"):
-        decode.decode_image(encoded("PNG"), FIELD, WIDTH * HEIGHT - 1)
-    decode.decode_image(encoded("PNG"), FIELD, WIDTH * HEIGHT)  # exactly the limit is fine
-    # A header claiming 100k x 100k pixels over a few bytes of data: refused from the header, nothing allocated
-    with pytest.raises(MediaError, match="10000000000 pixels"):
-        decode.decode_image(png_header_only(100_000, 100_000), FIELD, 16_777_216)
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_too_many_pixels_is_refused_before_decoding(fmt: str) -> None:
+    with pytest.raises(MediaError) as err:
+        decode.decode_image(encoded(fmt), FIELD, WIDTH * HEIGHT - 1)
+    assert err.value.message == (f"the image is {WIDTH}x{HEIGHT} = {WIDTH * HEIGHT} pixels; the server takes at most "
+                                 f"{WIDTH * HEIGHT - 1} (--max-image-pixels)")
+    decode.decode_image(encoded(fmt), FIELD, WIDTH * HEIGHT)  # exactly the limit is fine
+
+
+@pytest.mark.parametrize("side", [20_000, 60_000, 100_000])
+def test_a_bomb_header_is_refused_with_the_servers_limit(side: str) -> None:
+    """A header claiming side x side pixels over a few bytes of data: refused from the header, nothing allocated, in
+    the server's words and limit (not Pillow's decompression-bomb text and its 178956970)."""
+    with pytest.raises(MediaError) as err:
+        decode.decode_image(png_header_only(side, side), FIELD, 16_777_216)
+    assert err.value.field == FIELD
+    assert err.value.message == (f"the image is {side}x{side} = {side * side} pixels; the server takes at most "
+                                 "16777216 (--max-image-pixels)")
 
 
 # ---- audio --------------------------------------------------------------------------------------------------------
@@ -131,9 +158,44 @@ def test_undecodable_audio_names_the_item(data: bytes) -> None:
     assert err.value.field == "audio_data[0].items[1]" and "WAV, FLAC or MP3" in err.value.message
 
 
-def test_too_long_audio_is_refused() -> None:
-    with pytest.raises(MediaError, match="--max-audio-seconds"):
+def test_undecodable_audio_says_why_in_one_clean_sentence() -> None:
+    with pytest.raises(MediaError) as err:
+        decode.decode_audio(b"junk" * 10, "audio_data[0].items[1]", RATE, 60)
+    assert err.value.message == "the bytes are not a WAV, FLAC or MP3 clip that decodes (Format not recognised.)"
+
+
+def test_too_long_audio_is_refused_with_the_binding_limit() -> None:
+    with pytest.raises(MediaError) as err:
         decode.decode_audio(clip("WAV"), "f", RATE, 0.5)  # a 1 s clip
+    assert err.value.message == "the clip is 1 s long; the server takes at most 0.5 s (--max-audio-seconds)"
+    with pytest.raises(MediaError) as err:  # the model's limit, below the server's: from the header
+        decode.decode_audio(clip("WAV"), "f", RATE, 600, model_max_seconds=0.25)
+    assert err.value.message == "the clip is 1 s long; this model takes at most 0.25 s"
+    decode.decode_audio(clip("WAV"), "f", RATE, 600, model_max_seconds=1.0)  # exactly the limit is fine
+
+
+def test_too_short_audio_is_refused_at_the_models_rate() -> None:
+    with pytest.raises(MediaError) as err:  # 100 samples at 44.1 kHz are 36 at 16 kHz
+        decode.decode_audio(clip("WAV", tone()[:100]), "f", RATE, 60, min_samples=321)
+    assert err.value.message == "the clip is 36 samples at 16000 Hz (2.2 ms); this model needs at least 321 (20.1 ms)"
+    with pytest.raises(MediaError, match="is 320 samples"):  # 883 at 44.1 kHz
+        decode.decode_audio(clip("WAV", tone()[:883]), "f", RATE, 60, min_samples=321)
+    samples, _ = decode.decode_audio(clip("WAV", tone()[:885]), "f", RATE, 60, min_samples=321)
+    assert len(samples) == 321
+
+
+@pytest.mark.parametrize("fmt", ["WAV", "FLAC", "MP3"])
+def test_the_declared_format_must_be_the_bytes(fmt: str) -> None:
+    data = clip(fmt)
+    assert decode.sniff_audio(data) == fmt
+    decode.decode_audio(data, "f", RATE, 60, declared=fmt)
+    for other in {"WAV", "FLAC", "MP3"} - {fmt}:
+        with pytest.raises(MediaError) as err:
+            decode.decode_audio(data, "audio_data[0].items[0]", RATE, 60, declared=other)
+        assert err.value.field == "audio_data[0].items[0]"
+        assert err.value.message == f"the clip is declared {other.lower()} but holds {fmt} data"
+    with pytest.raises(MediaError, match="declared mp3 but holds data that is not WAV, FLAC or MP3"):
+        decode.decode_audio(encoded("PNG"), "f", RATE, 60, declared="MP3")
 
 
 # ---- tensors ------------------------------------------------------------------------------------------------------
@@ -220,6 +282,25 @@ async def test_ingest_takes_processor_output_and_embeddings() -> None:
     with pytest.raises(MediaError) as err:
         await ingest(items(generate_pb2.MediaItem(processor_output=bad)), MediaConfig(), MODEL)
     assert err.value.field == "image_data[0].items[0].processor_output.tensors['pixel_values'].data"
+
+
+async def test_ingest_checks_a_data_uris_audio_type_and_the_models_limits() -> None:
+    wav = clip("WAV")
+    for mime in ("audio/wav", "audio/x-wav", "application/octet-stream", ""):  # WAV, or no audio type declared
+        [[m]] = await ingest(items(generate_pb2.MediaItem(url=data_uri(wav, mime)), modality=Modality.AUDIO),
+                             MediaConfig(), MODEL)
+        assert m.audio is not None
+    for mime in ("audio/mpeg", "audio/mp3", "audio/flac"):
+        with pytest.raises(MediaError, match="but holds WAV data") as err:
+            await ingest(items(generate_pb2.MediaItem(data=clip("FLAC")), generate_pb2.MediaItem(
+                url=data_uri(wav, mime)), modality=Modality.AUDIO), MediaConfig(), MODEL)
+        assert err.value.field == "image_data[0].items[1]"
+    limited = ModelMedia(sampling_rate=RATE, hidden_size=8, min_audio_samples=321, max_audio_seconds=0.5)
+    with pytest.raises(MediaError, match=r"this model takes at most 0\.5 s"):
+        await ingest(items(generate_pb2.MediaItem(data=wav), modality=Modality.AUDIO), MediaConfig(), limited)
+    with pytest.raises(MediaError, match="needs at least 321"):
+        await ingest(items(generate_pb2.MediaItem(data=clip("WAV", tone()[:100])), modality=Modality.AUDIO),
+                     MediaConfig(), limited)
 
 
 async def test_audio_items_are_resampled_to_the_models_rate() -> None:

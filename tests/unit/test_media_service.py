@@ -37,6 +37,8 @@ class FakeProcessor:
 
     modalities: frozenset[Modality] = frozenset({Modality.IMAGE, Modality.AUDIO})
     sampling_rate: int = 16000
+    min_audio_samples: int = 0
+    max_audio_seconds: float | None = None
     placeholders: dict[Modality, str] = field(default_factory=lambda: {Modality.IMAGE: "<image>",
                                                                       Modality.AUDIO: "<audio>"})
     engine_media: Any = None  # what prepare() hands the engine

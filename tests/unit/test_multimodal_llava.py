@@ -6,6 +6,7 @@ one chunk and in chunks cut inside the image, bitwise alike), and the engine's 1
 from __future__ import annotations
 
 import asyncio
+import io
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,13 +15,16 @@ import numpy as np
 import pytest
 import torch
 from inprocess_service import engine_config, served
+from media_fixtures import encoded, transparent
 from multimodal_run import executor_logits, hf_reference, image, request, run, start
+from PIL import Image
 from safetensors.torch import load_file, save_file
-from transformers import LlavaForConditionalGeneration
+from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.media import decode
 from lmrpc.server.media.types import Media, MediaError, Modality, MultimodalProcessor
 from lmrpc.server.models.loader import LoadedModel, load_model
 from lmrpc.server.models.multimodal.llava import LlavaLM
@@ -54,6 +58,7 @@ def test_loader_picks_the_llava_family(loaded: LoadedModel, processor: Multimoda
     assert loaded.info.architecture == "LlavaForConditionalGeneration"
     assert loaded.info.hidden_size == 64 and loaded.info.vocab_size == 49216
     assert processor.modalities == frozenset({Modality.IMAGE}) and processor.sampling_rate == 0
+    assert (processor.min_audio_samples, processor.max_audio_seconds) == (0, None)  # no audio limits
 
 
 def test_prepare_expands_placeholders_in_text_and_ids(processor: MultimodalProcessor, loaded: LoadedModel) -> None:
@@ -154,6 +159,38 @@ def test_sixteen_greedy_tokens_equal_transformers(tiny_llava_dir: Path, processo
         engine.shutdown()
     assert list(got.tokens) == expected
     assert got.cached_tokens == 0
+
+
+def test_a_transparent_png_gives_the_tokens_of_transformers_processor(tiny_llava_dir: Path, loaded: LoadedModel,
+                                                                      processor: MultimodalProcessor,
+                                                                      hf: LlavaForConditionalGeneration) -> None:
+    """A PNG with an alpha band, decoded as the service does and placed by `prepare`, gives the very pixel values and
+    ids of transformers' LlavaProcessor on the PNG as Pillow opens it (transparency composited onto white), and the
+    engine's 16 greedy tokens are transformers' generate on those. Dropping the alpha would give other pixels."""
+    data = encoded("PNG", transparent("RGBA"))
+    raw = Image.open(io.BytesIO(data))
+    text = "Describe <image> in a few words:"
+    hf_processor = AutoProcessor.from_pretrained(tiny_llava_dir)
+    assert hf_processor.image_processor.do_convert_rgb
+    reference = hf_processor(text=[text], images=[raw], return_tensors="pt")
+    dropped = hf_processor(text=[text], images=[raw.convert("RGB")], return_tensors="pt")
+    assert not torch.equal(dropped["pixel_values"], reference["pixel_values"])
+    field = "image_data[0].items[0]"
+    image, digest = decode.decode_image(data, field, 1 << 20)
+    prepared = processor.prepare(text, [Media(Modality.IMAGE, field, digest, image=image)])
+    media = prepared.engine_media
+    assert isinstance(media, PromptMedia)
+    assert np.array_equal(media.spans[0].encoder_input["pixel_values"], reference["pixel_values"].numpy())
+    assert list(prepared.token_ids) == reference["input_ids"][0].tolist()
+    with torch.inference_mode():
+        generated = hf.generate(**reference, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,  # type: ignore[operator]
+                                pad_token_id=0)
+    engine = start(tiny_llava_dir)
+    try:
+        [got] = asyncio.run(run(engine, [request(prepared, NEW)])).values()
+    finally:
+        engine.shutdown()
+    assert list(got.tokens) == generated[0, len(prepared.token_ids) :].tolist()
 
 
 async def test_served_like_any_checkpoint(tiny_llava_dir: Path) -> None:

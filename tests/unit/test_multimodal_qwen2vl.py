@@ -9,6 +9,8 @@ them."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,17 +18,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from inprocess_service import engine_config, served_both
+from media_fixtures import encoded, transparent
 from multimodal_run import PAGE, Result, executor_logits, hf_inputs, image, request, run, start
+from PIL import Image
 from tiny_qwen2vl import FAMILIES
-from transformers import PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
 from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import Sequence
+from lmrpc.server.media import decode
 from lmrpc.server.media.types import Media, MediaError, MediaOptions, Modality, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.models.loader import LoadedModel, load_model
 from lmrpc.server.models.multimodal.qwen2_vl import Qwen2_5_VLLM, Qwen2VLLM
 from lmrpc.server.protocol import PromptMedia
+from lmrpc.v1 import openai_pb2
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native model path")
 
@@ -88,6 +96,7 @@ def test_loader_picks_the_family(architecture: str, loaded: LoadedModel, process
     assert loaded.info.hidden_size == 64 and loaded.info.vocab_size == 49156
     assert loaded.model.rope.sections == (2, 3, 3)
     assert processor.modalities == frozenset({Modality.IMAGE}) and processor.sampling_rate == 0
+    assert (processor.min_audio_samples, processor.max_audio_seconds) == (0, None)  # no audio limits
 
 
 def test_prepare_expands_to_the_grid_and_gives_transformers_positions(processor: MultimodalProcessor,
@@ -250,3 +259,76 @@ def test_preempted_image_requests_recompute_to_the_same_bits(checkpoint: Path,
     assert preempted
     assert {r: (g.tokens, g.logprobs) for r, g in got.items()} == {r: (e.tokens, e.logprobs)
                                                                     for r, e in expected.items()}
+
+
+def test_a_transparent_png_gives_the_tokens_of_transformers_processor(checkpoint: Path,
+                                                                      processor: MultimodalProcessor,
+                                                                      hf: PreTrainedModel) -> None:
+    """A palette PNG with transparent entries, decoded as the service does and placed by `prepare`, gives the very
+    patches and grid of transformers' image processor on the PNG as Pillow opens it (transparency composited onto
+    white), and the engine's 16 greedy tokens are transformers' generate on those. Dropping the transparency would
+    give other patches."""
+    data = encoded("PNG", transparent("P").resize((90, 60)))
+    raw = Image.open(io.BytesIO(data))
+    images = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
+    assert images.do_convert_rgb
+    reference = images(images=[raw], return_tensors="np")
+    dropped = images(images=[raw.convert("RGB")], return_tensors="np")
+    assert not np.array_equal(dropped["pixel_values"], reference["pixel_values"])
+    field = "image_data[0].items[0]"
+    image, digest = decode.decode_image(data, field, 1 << 20)
+    prompt = processor.prepare(f"What is in {IMAGE}?", [Media(Modality.IMAGE, field, digest, image=image)])
+    [span] = media_of(prompt).spans
+    assert np.array_equal(span.encoder_input["pixel_values"], reference["pixel_values"])
+    assert np.array_equal(span.encoder_input["image_grid_thw"], reference["image_grid_thw"])
+    inputs = reference_inputs(prompt)
+    inputs["pixel_values"] = torch.from_numpy(reference["pixel_values"])  # transformers' own, not ours
+    with torch.inference_mode():
+        generated = hf.generate(**inputs, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,  # type: ignore[operator]
+                                pad_token_id=0)
+    result = solo(checkpoint, prompt)
+    assert list(result.tokens) == generated[0, len(prompt.token_ids) :].tolist()
+
+
+async def test_a_chat_renders_and_places_as_transformers_does(tiny_qwen2vl_dir: Path) -> None:
+    """ChatComplete on Qwen2-VL (its own template, which iterates over content parts): the prompt's ids are those of
+    transformers' apply_chat_template on the same messages (text parts run together), each image's `<|image_pad|>`
+    expanded to its grid (a transparent PNG composited onto white by the image processor), and the 8 greedy tokens
+    are transformers'."""
+    data = encoded("PNG", transparent("RGBA").resize((90, 60)))
+    uri = "data:image/png;base64," + base64.b64encode(data).decode()
+    parts = [openai_pb2.ContentPart(type="text", text="Look:"),
+             openai_pb2.ContentPart(type="image_url", image_url=openai_pb2.ImageUrl(url=uri)),
+             openai_pb2.ContentPart(type="text", text="What is it?")]
+    system = [openai_pb2.ContentPart(type="text", text="Be"), openai_pb2.ContentPart(type="text", text=" brief.")]
+    req = openai_pb2.ChatCompleteRequest(messages=[openai_pb2.ChatMessage(role="system", content_parts=system),
+                                                   openai_pb2.ChatMessage(role="user", content_parts=parts)],
+                                         max_tokens=8, temperature=0.0, ignore_eos=True, return_token_ids=True)
+    config = engine_config(str(tiny_qwen2vl_dir), "float32")
+    engine = AsyncEngine.start(config)
+    try:
+        async with served_both(engine, config) as (_, openai):
+            [reply] = [m async for m in openai.ChatComplete(req)]
+    finally:
+        engine.shutdown()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2vl_dir)
+    text = tokenizer.apply_chat_template([
+        {"role": "system", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": " brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"},
+                                     {"type": "text", "text": "What is it?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    pixels = Qwen2VLImageProcessorPil.from_pretrained(tiny_qwen2vl_dir)(
+        images=[Image.open(io.BytesIO(data))], return_tensors="np")
+    grid = pixels["image_grid_thw"]
+    expanded = text.replace("<|image_pad|>", "<|image_pad|>" * (int(np.prod(grid)) // 4))
+    ids = tokenizer(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    choice = reply.choices[0]
+    assert list(choice.prompt_token_ids) == ids[0].tolist()
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(tiny_qwen2vl_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        generated = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids),  # type: ignore[operator]
+                                pixel_values=torch.from_numpy(pixels["pixel_values"]),
+                                image_grid_thw=torch.from_numpy(grid), mm_token_type_ids=(ids == IMAGE_ID).int(),
+                                max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert list(choice.token_ids) == generated[0, ids.shape[1] :].tolist()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lmrpc.server.__main__ import parse_args, read_chat_template
 from lmrpc.server.openai import fim
@@ -57,6 +57,58 @@ def test_text_parts_are_joined_and_arguments_are_objects() -> None:
     call = openai_pb2.ToolCall(id="c1", function=openai_pb2.FunctionCall(name="f", arguments='{"x": 1}'))
     assert template_message(msg("assistant", tool_calls=[call]))["tool_calls"] == [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
+
+
+def part(kind: str, text: str = "") -> openai_pb2.ContentPart:
+    if kind == "image_url":
+        return openai_pb2.ContentPart(type=kind, image_url=openai_pb2.ImageUrl(url="data:image/png;base64,AAAA"))
+    if kind == "input_audio":
+        return openai_pb2.ContentPart(type=kind, input_audio=openai_pb2.InputAudio(data="AAAA", format="wav"))
+    return openai_pb2.ContentPart(type="text", text=text)
+
+
+def test_a_parts_template_renders_as_transformers_does(tiny_qwen2vl_dir: Path) -> None:
+    """Qwen2-VL's own template (it iterates over content parts) gets every message sent as parts as its list, the
+    shape transformers' apply_chat_template takes: the prompt is the one transformers renders from the same messages
+    (text parts run together, not joined with newlines; each image part its vision markers)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2vl_dir)
+    assert "for content in message['content']" in tokenizer.chat_template
+    template = ChatTemplate(tokenizer)
+    assert template.renders_parts()
+    messages = [
+        msg("system", content_parts=[part("text", "Be"), part("text", " brief.")]),
+        msg("user", content_parts=[part("image_url"), part("text", "What is this?"), part("text", "And this:"),
+                                   part("image_url")]),
+        msg("assistant", "Two cats."),
+        msg("user", content_parts=[part("text", "Sure?")]),
+    ]
+    expected = tokenizer.apply_chat_template([
+        {"role": "system", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": " brief."}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"},
+                                     {"type": "text", "text": "And this:"}, {"type": "image"}]},
+        {"role": "assistant", "content": "Two cats."},
+        {"role": "user", "content": [{"type": "text", "text": "Sure?"}]},
+    ], tokenize=False, add_generation_prompt=True)
+    rendered = render(template, messages)
+    assert rendered == expected
+    assert rendered.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+                               "<|vision_start|><|image_pad|><|vision_end|>What is this?And this:<|vision_start|>")
+    # the tools described for a template that ignores them land in a text part of the system message's list
+    with_tools = template.render(messages, [WEATHER], add_generation_prompt=True, continue_final_message=False,
+                                 template_kwargs={})
+    assert with_tools.text.startswith("<|im_start|>system\nBe brief.\n\nYou can call functions")
+
+
+def test_a_text_template_gets_parts_as_one_string(smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+    """SmolLM2's template renders content as a string only: text parts joined, media parts as the model's
+    placeholder text."""
+    template = ChatTemplate(smollm2_tokenizer)
+    assert not template.renders_parts()
+    messages = [msg("user", content_parts=[part("text", "a"), part("image_url"), part("input_audio"),
+                                           part("text", "b")])]
+    text = template.render(messages, [], add_generation_prompt=False, continue_final_message=False,
+                           template_kwargs={}, placeholders={"image_url": "<image>", "input_audio": "<audio>"}).text
+    assert "<|im_start|>user\na\n<image>\n<audio>\nb<|im_end|>" in text
 
 
 def test_override_and_missing_template(smollm2_tokenizer: PreTrainedTokenizerBase) -> None:

@@ -127,7 +127,9 @@ class Frontend:
         processor = self.multimodal_processor()
         assert processor is not None, "check_media_items refuses media on a model without a processor"
         config = self.server_config.media
-        model = ingest.ModelMedia(sampling_rate=processor.sampling_rate, hidden_size=self.engine.model_info.hidden_size)
+        model = ingest.ModelMedia(sampling_rate=processor.sampling_rate, hidden_size=self.engine.model_info.hidden_size,
+                                  min_audio_samples=processor.min_audio_samples,
+                                  max_audio_seconds=processor.max_audio_seconds)
         try:
             media = await ingest.ingest(items, config, model)
             return await asyncio.to_thread(

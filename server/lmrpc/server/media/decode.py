@@ -1,8 +1,10 @@
 """Encoded media -> what a model's processor reads, checked against the limits, with its digest: images (PNG, JPEG,
-WebP) -> RGB Pillow images (the pixel count checked from the header, before decoding); audio (WAV, FLAC, MP3) -> mono
-float32 at the model's rate (the length checked from the header, then resampled with a windowed-sinc filter:
-deterministic, numpy only); wire tensors (processor output, embeddings) -> numpy arrays (dtype known, shape matching
-the bytes). Blocking: the service runs these off the event loop.
+WebP) -> RGB Pillow images, transparency composited onto white as the models' processors do (the pixel count checked
+from the header, before decoding); audio (WAV, FLAC, MP3; a declared format checked against the bytes) -> mono
+float32 at the model's rate (the length checked from the header against the server's and the model's limits, then
+resampled with a windowed-sinc filter: deterministic, numpy only; too short for the model's encoder refused); wire
+tensors (processor output, embeddings) -> numpy arrays (dtype known, shape matching the bytes). Blocking: the service
+runs these off the event loop.
 
 The digest (blake2b-128) is of the decoded content, so one picture sent as PNG bytes, a data: URI, a URL or a path
 digests alike (the prefix cache keys the item's positions on it)."""
@@ -39,27 +41,43 @@ def _digest(*parts: bytes) -> bytes:
 
 # ---- images -------------------------------------------------------------------------------------------------------
 
+# Pillow's own decompression-bomb guard (Image.MAX_IMAGE_PIXELS: a warning past ~89M pixels, an error past ~179M)
+# would answer a large header before our check, with its limit instead of --max-image-pixels. decode_image refuses
+# images over --max-image-pixels from the header, before anything is decoded, so Pillow's guard is turned off.
+Image.MAX_IMAGE_PIXELS = None
+
 
 def decode_image(data: bytes, field: str, max_pixels: int) -> tuple[Image.Image, bytes]:
-    """PNG/JPEG/WebP bytes -> (the RGB image, its digest). Undecodable bytes, another format, or more than
-    max_pixels (read from the header, before decoding: no decompression bomb is expanded) are MediaErrors."""
+    """PNG/JPEG/WebP bytes -> (the RGB image as the model's processor sees it (`as_rgb`), its digest). Undecodable
+    bytes, another format, or more than max_pixels (read from the header, before decoding: no decompression bomb is
+    expanded) are MediaErrors."""
     try:
-        # Image.open reads the header only; the size is checked before load() decodes anything. (Pillow's own bomb
-        # limit, Image.MAX_IMAGE_PIXELS, still refuses past twice its value.)
-        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-        width, height = image.size
-        if width * height > max_pixels:
-            raise MediaError(field, f"image is {width}x{height} = {width * height} pixels; the server takes at "
-                                    f"most {max_pixels} (--max-image-pixels)")
-        image.load()
-        rgb = image.convert("RGB")
-    except Image.DecompressionBombError as exc:
-        raise MediaError(field, f"image is too large to decode: {exc}") from exc
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # the header only
     except UnidentifiedImageError as exc:
-        raise MediaError(field, f"is not a PNG, JPEG or WebP image ({len(data)} bytes)") from exc
+        raise MediaError(field, f"the bytes are not a PNG, JPEG or WebP image ({len(data)} bytes)") from exc
+    except (OSError, SyntaxError, ValueError) as exc:  # a header that starts right and then breaks
+        raise MediaError(field, f"the image does not decode: {exc}") from exc
+    width, height = image.size
+    if width * height > max_pixels:
+        raise MediaError(field, f"the image is {width}x{height} = {width * height} pixels; the server takes at most "
+                                f"{max_pixels} (--max-image-pixels)")
+    try:
+        image.load()
+        rgb = as_rgb(image)
     except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data found while decoding
-        raise MediaError(field, f"image does not decode: {exc}") from exc
+        raise MediaError(field, f"the image does not decode: {exc}") from exc
     return rgb, image_digest(rgb)
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """The image in RGB as transformers' image processors make it (image_transforms.convert_to_rgb, which they apply
+    by default, do_convert_rgb): an image with transparency (an alpha band, or a palette's or colour key's
+    transparency) composited onto white, any other converted. Done here, so that the digest (the prefix cache's key)
+    is of what the model sees, and the processor's own conversion leaves it as it is."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")
 
 
 def image_digest(image: Image.Image) -> bytes:
@@ -69,31 +87,76 @@ def image_digest(image: Image.Image) -> bytes:
 # ---- audio --------------------------------------------------------------------------------------------------------
 
 
-def decode_audio(data: bytes, field: str, rate: int, max_seconds: float) -> tuple[np.ndarray, bytes]:
-    """WAV/FLAC/MP3 bytes -> (mono float32 samples at `rate`, their digest). Channels are averaged. Undecodable
-    bytes, another format, or a clip longer than max_seconds (from the header, then from what decoded) are
-    MediaErrors."""
+def sniff_audio(data: bytes) -> str | None:
+    """The container its first bytes say ("WAV", "FLAC", "MP3"), or None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "WAV"
+    if data[:4] == b"fLaC":
+        return "FLAC"
+    if data[:3] == b"ID3" or (len(data) >= 2 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):  # a tag, or a frame sync
+        return "MP3"
+    return None
+
+
+def _mismatch(field: str, declared: str, found: str | None) -> MediaError:
+    what = f"{found} data" if found else "data that is not WAV, FLAC or MP3"
+    return MediaError(field, f"the clip is declared {declared.lower()} but holds {what}")
+
+
+def decode_audio(data: bytes, field: str, rate: int, max_seconds: float, *, model_max_seconds: float | None = None,
+                 min_samples: int = 0, declared: str | None = None) -> tuple[np.ndarray, bytes]:
+    """WAV/FLAC/MP3 bytes -> (mono float32 samples at `rate`, their digest). Channels are averaged. MediaErrors:
+    undecodable bytes, another format, bytes of another format than `declared` ("WAV", "FLAC", "MP3": what the
+    request said it sends), a clip longer than max_seconds (--max-audio-seconds) or model_max_seconds (the model's
+    own limit; both from the header, then from what decoded), or shorter than min_samples at `rate`."""
+    if declared is not None and sniff_audio(data) != declared:
+        raise _mismatch(field, declared, sniff_audio(data))
+    limit = max_seconds if model_max_seconds is None else min(max_seconds, model_max_seconds)
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
             kind = AUDIO_FORMATS.get(f.format)
             if kind is None:
-                raise MediaError(field, f"audio format {f.format} is not taken (WAV, FLAC or MP3)")
+                raise MediaError(field, f"the clip is {f.format}; the server takes WAV, FLAC or MP3")
+            if declared is not None and kind != declared:
+                raise _mismatch(field, declared, kind)
             source_rate = f.samplerate
-            if f.frames > max_seconds * source_rate:
-                raise MediaError(field, f"audio is {f.frames / source_rate:.1f} s long; the server takes at most "
-                                        f"{max_seconds:g} s (--max-audio-seconds)")
-            frames = f.read(frames=math.floor(max_seconds * source_rate) + 1, dtype="float32", always_2d=True)
-    except soundfile.SoundFileError as exc:  # libsndfile cannot open or read it
-        raise MediaError(field, f"is not a WAV, FLAC or MP3 clip that decodes: {exc}") from exc
-    if len(frames) > max_seconds * source_rate:
-        raise MediaError(field, f"audio is longer than {max_seconds:g} s (--max-audio-seconds)")
+            if f.frames > limit * source_rate:
+                raise _too_long(field, f.frames / source_rate, max_seconds, model_max_seconds)
+            frames = f.read(frames=math.floor(limit * source_rate) + 1, dtype="float32", always_2d=True)
+    except soundfile.LibsndfileError as exc:  # libsndfile cannot open or read it
+        raise MediaError(field, f"the bytes are not a WAV, FLAC or MP3 clip that decodes ({exc.error_string})"
+                         ) from exc
+    except soundfile.SoundFileError as exc:
+        raise MediaError(field, f"the bytes are not a WAV, FLAC or MP3 clip that decodes ({exc})") from exc
+    if len(frames) > limit * source_rate:  # more than the header said
+        raise _too_long(field, len(frames) / source_rate, max_seconds, model_max_seconds)
     if len(frames) == 0:
-        raise MediaError(field, "audio clip has no samples")
+        raise MediaError(field, "the clip has no samples")
     mono = frames.mean(axis=1, dtype=np.float64)  # [samples]
     samples = resample(mono, source_rate, rate)
+    check_audio_length(len(samples), rate, field, min_samples=min_samples)
     if not np.isfinite(samples).all():
-        raise MediaError(field, "audio has samples that are not finite")
+        raise MediaError(field, "the clip has samples that are not finite")
     return samples, audio_digest(samples, rate)
+
+
+def _too_long(field: str, seconds: float, max_seconds: float, model_max_seconds: float | None) -> MediaError:
+    if model_max_seconds is not None and model_max_seconds < max_seconds:
+        return MediaError(field, f"the clip is {seconds:.8g} s long; this model takes at most {model_max_seconds:g} s")
+    return MediaError(field, f"the clip is {seconds:.8g} s long; the server takes at most {max_seconds:g} s "
+                             "(--max-audio-seconds)")
+
+
+def check_audio_length(samples: int, rate: int, field: str, *, min_samples: int = 0,
+                       model_max_seconds: float | None = None) -> None:
+    """A clip of `samples` at `rate` the model can take: at least min_samples (fewer give its encoder no position),
+    at most model_max_seconds (its feature extractor's window); else a MediaError naming the limit."""
+    if samples < min_samples:
+        raise MediaError(field, f"the clip is {samples} samples at {rate} Hz ({samples / rate * 1000:.1f} ms); this "
+                                f"model needs at least {min_samples} ({min_samples / rate * 1000:.1f} ms)")
+    if model_max_seconds is not None and samples > model_max_seconds * rate:
+        raise MediaError(field, f"the clip is {samples / rate:.8g} s long; this model takes at most "
+                                f"{model_max_seconds:g} s")
 
 
 def audio_digest(samples: np.ndarray, rate: int) -> bytes:

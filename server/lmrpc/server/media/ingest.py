@@ -36,6 +36,26 @@ class ModelMedia:
 
     sampling_rate: int  # audio is resampled to this many samples per second (0: the model takes no audio)
     hidden_size: int  # the width of a precomputed embedding's rows
+    # the model's own audio limits (MultimodalProcessor.min_audio_samples, .max_audio_seconds): a clip outside them is
+    # refused when it decodes (too long: from its header), before the processor sees it
+    min_audio_samples: int = 0
+    max_audio_seconds: float | None = None
+
+
+# A data: URI's media type -> the audio container it declares (ChatComplete's input_audio.format becomes
+# "audio/<format>"); decode.decode_audio checks the bytes against it.
+DECLARED_AUDIO = {"audio/wav": "WAV", "audio/wave": "WAV", "audio/x-wav": "WAV", "audio/vnd.wave": "WAV",
+                  "audio/flac": "FLAC", "audio/x-flac": "FLAC",
+                  "audio/mp3": "MP3", "audio/mpeg": "MP3", "audio/mpeg3": "MP3", "audio/x-mpeg-3": "MP3"}
+
+
+def declared_audio(url: str) -> str | None:
+    """The audio container a data: URI's media type names ("WAV", "FLAC", "MP3"), or None (another URL, no type, or
+    one we do not check)."""
+    if url[:5].lower() != "data:":
+        return None
+    media_type = url[5:].partition(",")[0].partition(";")[0]
+    return DECLARED_AUDIO.get(media_type.strip().lower())
 
 
 def generate_items(req: generate_pb2.GenerateRequest, num_prompts: int) -> list[list[WireItem]]:
@@ -70,7 +90,10 @@ def _decode_bytes(w: WireItem, data: bytes, options: MediaOptions, config: Media
         return Media(Modality.IMAGE, w.field, digest, image=image, options=options)
     if model.sampling_rate <= 0:
         raise MediaError(w.field, "this model takes no audio")
-    samples, digest = decode.decode_audio(data, w.field, model.sampling_rate, config.max_audio_seconds)
+    declared = declared_audio(w.item.url) if w.item.WhichOneof("source") == "url" else None
+    samples, digest = decode.decode_audio(data, w.field, model.sampling_rate, config.max_audio_seconds,
+                                          model_max_seconds=model.max_audio_seconds,
+                                          min_samples=model.min_audio_samples, declared=declared)
     return Media(Modality.AUDIO, w.field, digest, audio=samples, sampling_rate=model.sampling_rate, options=options)
 
 

@@ -79,6 +79,12 @@ class MultimodalProcessor(Protocol):
     # which modalities the model takes; a request with another one is INVALID_ARGUMENT naming the field
     modalities: frozenset[Modality]
     sampling_rate: int  # audio models: the rate the decoder resamples clips to (0 for image-only models)
+    # audio models: the fewest samples (at sampling_rate) that give the encoder one position (from its feature
+    # extractor's hop and its convolutions' strides); a shorter clip is refused. 0 for models without audio.
+    min_audio_samples: int
+    # audio models: the longest clip the model takes, in seconds (its feature extractor's window); a longer one is
+    # refused whatever --max-audio-seconds allows. None: no limit of the model's own (and models without audio).
+    max_audio_seconds: float | None
     # what a prompt writes for one item of each modality (the placeholder token with the model's markers around it,
     # e.g. "<image>", "<|vision_start|><|image_pad|><|vision_end|>"): ChatComplete writes it for a media part where
     # the chat template renders text only

@@ -6,10 +6,12 @@ helpers every template is written against), so a prompt is exactly what the toke
 messages. Tools are handed to the template; a template that does not render them gets them described in a system
 message in the Hermes format instead (see tools.py), so that the model knows what it may call.
 
-Media parts (image_url, input_audio): a template that renders content given as a list of parts (as multimodal
-models' templates do, like transformers' processors' apply_chat_template) gets {"type": "image"} / {"type":
-"audio"} parts where they stand and writes the model's placeholder itself; a template that renders content as a
-string gets the model's placeholder text in the part's place instead (the processor's `placeholders`).
+Content parts: a template that renders content given as a list of parts (as multimodal models' templates do, like
+Qwen2-VL's) gets every message sent as parts as that list, the shape transformers' apply_chat_template takes:
+{"type": "text", "text": ...}, and {"type": "image"} / {"type": "audio"} where a media part stands, whose placeholder
+the template writes itself; so a prompt is the one transformers renders from the same messages. A template that
+renders content as a string only (SmolLM2's) gets the text parts joined, each media part as the model's placeholder
+text (the processor's `placeholders`).
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ class ChatTemplate:
         and a conversation with a media part the model names no placeholder for: FAILED_PRECONDITION."""
         source = self.require()
         used = {p.type for m in messages for p in m.content_parts if p.type in MEDIA_PARTS}
+        as_parts = any(m.content_parts for m in messages) and self.renders_parts()
         as_text: Mapping[str, str] | None = None
-        if used and not self.renders_parts():
+        if used and not as_parts:
             missing = sorted(used - set(placeholders or {}))
             if missing:
                 raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
@@ -96,7 +99,7 @@ class ChatTemplate:
                                      f"no placeholder text for {' or '.join(missing)} parts; start the server with a "
                                      "--chat-template that renders content lists")])
             as_text = placeholders
-        conversation = [template_message(m, as_text) for m in messages]
+        conversation = [template_message(m, as_text, as_parts=as_parts) for m in messages]
         tool_dicts: list[dict[Any, Any] | Callable[..., Any]] | None = [_tool_dict(t) for t in tools] or None
 
         def run(conv: list[Message], with_tools: list[dict[Any, Any] | Callable[..., Any]] | None) -> str:
@@ -112,7 +115,7 @@ class ChatTemplate:
             text = run(conversation, tool_dicts)
             if text != run(conversation, None):  # the template renders tools itself
                 return Rendered(text, tool_format_known=tool_calls.CALL_BEGIN in source)
-            described = described_tools(messages, tools, as_text)
+            described = described_tools(messages, tools, as_text, as_parts=as_parts)
             return Rendered(run(described, None), tool_format_known=True)
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             # What a template (or transformers around it) raises on a conversation it cannot render: the template's
@@ -121,19 +124,20 @@ class ChatTemplate:
             raise validation.invalid("messages", f"the chat template cannot render them: {exc}") from exc
 
 
-def template_message(m: openai_pb2.ChatMessage, placeholders: Mapping[str, str] | None = None) -> Message:
-    """A message in OpenAI's JSON form, as templates expect it: content a string (text parts joined with "\\n"),
-    tool calls' arguments as objects (templates write them with tojson). A message with media parts: with
-    `placeholders` (part type -> the model's placeholder text), each part's placeholder joined in its place; without,
-    content as a list of parts ({"type": "text", "text": ...}, {"type": "image"}, {"type": "audio"})."""
+def template_message(m: openai_pb2.ChatMessage, placeholders: Mapping[str, str] | None = None, *,
+                     as_parts: bool = False) -> Message:
+    """A message in OpenAI's JSON form, as templates expect it, tool calls' arguments as objects (templates write them
+    with tojson). Content given as parts: with as_parts, a list of parts ({"type": "text", "text": ...}, {"type":
+    "image"}, {"type": "audio"}) for a template that renders lists; else a string, text parts joined with "\\n" and
+    each media part as its `placeholders` text (part type -> the model's placeholder text)."""
     content: str | list[dict[str, str]]
-    media = any(p.type in MEDIA_PARTS for p in m.content_parts)
-    if m.HasField("content"):
+    if m.HasField("content") or not m.content_parts:
         content = m.content
-    elif media and placeholders is None:
+    elif as_parts:
         content = [{"type": MEDIA_PARTS[p.type]} if p.type in MEDIA_PARTS else {"type": "text", "text": p.text}
                    for p in m.content_parts]
     else:
+        assert placeholders is not None or not any(p.type in MEDIA_PARTS for p in m.content_parts)
         content = "\n".join(placeholders[p.type] if placeholders is not None and p.type in MEDIA_PARTS else p.text
                             for p in m.content_parts)
     message: Message = {"role": m.role, "content": content}
@@ -149,20 +153,29 @@ def template_message(m: openai_pb2.ChatMessage, placeholders: Mapping[str, str] 
     return message
 
 
+def _append_text(message: Message, text: str, separator: str) -> None:
+    """text after the message's content (after `separator` where it has some): a string's, or a text part of its own
+    at the end of a list of parts."""
+    content = message["content"]
+    if isinstance(content, list):
+        content.append({"type": "text", "text": f"{separator}{text}" if content else text})
+    else:
+        message["content"] = f"{content}{separator}{text}" if content else text
+
+
 def described_tools(messages: Sequence[openai_pb2.ChatMessage], tools: Sequence[ToolSpec],
-                    placeholders: Mapping[str, str] | None = None) -> list[Message]:
+                    placeholders: Mapping[str, str] | None = None, *, as_parts: bool = False) -> list[Message]:
     """The conversation for a template that ignores tools: the tools described in the system message (appended to
     the first one, or a new one first), and past calls written into their messages' content in the same format."""
     prompt = tool_calls.hermes_system_prompt(tools)
-    conversation = [template_message(m, placeholders) for m in messages]
+    conversation = [template_message(m, placeholders, as_parts=as_parts) for m in messages]
     for message, m in zip(conversation, messages, strict=True):
         if m.tool_calls:
             calls = "\n".join(tool_calls.hermes_call_text(c.function.name, c.function.arguments) for c in m.tool_calls)
-            message["content"] = f"{message['content']}\n{calls}" if message["content"] else calls
+            _append_text(message, calls, "\n")
             del message["tool_calls"]
     if conversation and conversation[0]["role"] == "system":
-        first = conversation[0]
-        first["content"] = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
+        _append_text(conversation[0], prompt, "\n\n")
     else:
         conversation.insert(0, {"role": "system", "content": prompt})
     return conversation

@@ -143,6 +143,13 @@ class MultimodalLM(LlamaForCausalLM):
         """Audio models: the rate clips must have; 0 for image-only models."""
         return 0
 
+    @classmethod
+    def audio_limits(cls, hf_processor: object) -> tuple[int, float | None]:
+        """Audio models: (the fewest samples at sampling_rate that give the encoder one position, the longest clip in
+        seconds the model takes or None); (0, None) for models without audio (MultimodalProcessor's
+        min_audio_samples and max_audio_seconds)."""
+        return 0, None
+
     def encode_media(self, span: MediaSpan) -> torch.Tensor:
         """One item (span.encoder_input) -> its rows [span.length, hidden] float32, on the engine thread."""
         with torch.inference_mode():

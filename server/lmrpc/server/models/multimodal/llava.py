@@ -45,7 +45,7 @@ class LlavaLM(MultimodalLM):
     @classmethod
     def count_positions(cls, config: PretrainedConfig, modality: Modality, inputs: EncoderInput) -> int:
         if set(inputs) != {"pixel_values"}:
-            raise ValueError(f"takes pixel_values only, not {sorted(inputs)}")
+            raise ValueError(f"this model takes pixel_values only, not {sorted(inputs)}")
         size = config.vision_config.image_size
         shape = tuple(inputs["pixel_values"].shape)
         if shape != (1, config.vision_config.num_channels, size, size):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from transformers import PretrainedConfig
 
+from lmrpc.server.media import decode
 from lmrpc.server.media.types import Media, MediaError, Modality, MultimodalPrompt
 from lmrpc.server.models.multimodal.base import EncoderInput, Placeholder, span_key
 from lmrpc.server.protocol import MediaSpan, PromptMedia
@@ -38,6 +39,9 @@ class MediaPromptProcessor:
         self.modalities: frozenset[Modality] = frozenset(self._placeholders)
         self.placeholders: Mapping[Modality, str] = {m: p.text for m, p in self._placeholders.items()}
         self.sampling_rate: int = family.sampling_rate(hf_processor)
+        self.min_audio_samples: int
+        self.max_audio_seconds: float | None
+        self.min_audio_samples, self.max_audio_seconds = family.audio_limits(hf_processor)
 
     def prepare(self, prompt: str | Sequence[int], media: Sequence[Media]) -> MultimodalPrompt:
         for given in media:
@@ -102,13 +106,13 @@ class MediaPromptProcessor:
                                   **self._family.processor_kwargs(item)}
         if item.modality is Modality.AUDIO:
             if item.sampling_rate != self.sampling_rate:
-                raise MediaError(item.wire_field, f"audio at {item.sampling_rate} Hz; this model takes "
+                raise MediaError(item.wire_field, f"the clip is at {item.sampling_rate} Hz; this model takes "
                                                   f"{self.sampling_rate} Hz")
             kwargs["sampling_rate"] = self.sampling_rate
-            longest = getattr(getattr(self._hf, "feature_extractor", None), "n_samples", None)
-            if longest is not None and item.audio is not None and len(item.audio) > longest:  # the processor cuts it
-                seconds = longest / self.sampling_rate
-                raise MediaError(item.wire_field, f"the clip is longer than this model's {seconds:g} seconds")
+            assert item.audio is not None
+            # Too short: the encoder gives it no position (an empty span); too long: the processor would cut it.
+            decode.check_audio_length(len(item.audio), self.sampling_rate, item.wire_field,
+                                      min_samples=self.min_audio_samples, model_max_seconds=self.max_audio_seconds)
         with self._lock:
             result = self._hf(**kwargs)
         inputs = {k: np.asarray(v) for k, v in result.items() if k not in TEXT_OUTPUTS}

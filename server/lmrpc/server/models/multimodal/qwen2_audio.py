@@ -4,6 +4,7 @@ placeholder, expanded to one position per two encoder frames of the clip's own (
 
 from __future__ import annotations
 
+import itertools
 from typing import cast
 
 import numpy as np
@@ -23,6 +24,10 @@ INPUTS = frozenset({"input_features", "feature_attention_mask"})  # what the fea
 def _positions(frames: int) -> int:
     """Positions of a clip of `frames` mel frames: the encoder's stride-2 convolution, then its pooling by 2."""
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+# The fewest mel frames that give one position (3: fewer leave the pooling nothing to pool)
+MIN_FRAMES = next(f for f in itertools.count(1) if _positions(f) >= 1)
 
 
 @register("Qwen2AudioForConditionalGeneration")
@@ -48,7 +53,7 @@ class Qwen2AudioLM(MultimodalLM):
     @classmethod
     def count_positions(cls, config: PretrainedConfig, modality: Modality, inputs: EncoderInput) -> int:
         if set(inputs) != INPUTS:
-            raise ValueError(f"takes {sorted(INPUTS)}, not {sorted(inputs)}")
+            raise ValueError(f"this model takes {sorted(INPUTS)}, not {sorted(inputs)}")
         audio = config.audio_config
         frames = audio.max_source_positions * 2  # what the encoder takes: every clip padded to this
         features, mask = inputs["input_features"], inputs["feature_attention_mask"]
@@ -59,6 +64,9 @@ class Qwen2AudioLM(MultimodalLM):
         length = int(mask.sum())
         if length < 1 or not (mask[0, :length] == 1).all():
             raise ValueError("feature_attention_mask must be ones for the clip's frames, then zeros")
+        if length < MIN_FRAMES:
+            raise ValueError(f"feature_attention_mask marks {length} frames; the encoder needs at least {MIN_FRAMES} "
+                             "to give the clip a position")
         if not np.isfinite(features).all():
             raise ValueError("input_features has non-finite values")
         return _positions(length)
@@ -73,3 +81,12 @@ class Qwen2AudioLM(MultimodalLM):
     @classmethod
     def sampling_rate(cls, hf_processor: object) -> int:
         return int(getattr(hf_processor, "feature_extractor").sampling_rate)  # noqa: B009  (HF processors: untyped)
+
+    @classmethod
+    def audio_limits(cls, hf_processor: object) -> tuple[int, float | None]:
+        """The Whisper feature extractor marks one frame per hop_length samples begun, so MIN_FRAMES frames take
+        (MIN_FRAMES - 1) * hop + 1 samples; it pads or cuts every clip to its window of n_samples (chunk_length
+        seconds)."""
+        features = getattr(hf_processor, "feature_extractor")  # noqa: B009  (HF processors: untyped)
+        hop = int(features.hop_length)
+        return (MIN_FRAMES - 1) * hop + 1, int(features.n_samples) / int(features.sampling_rate)

@@ -55,7 +55,7 @@ class Qwen2VLLM(MultimodalLM):
     @classmethod
     def count_positions(cls, config: PretrainedConfig, modality: Modality, inputs: EncoderInput) -> int:
         if set(inputs) != {"pixel_values", "image_grid_thw"}:
-            raise ValueError(f"takes pixel_values and image_grid_thw, not {sorted(inputs)}")
+            raise ValueError(f"this model takes pixel_values and image_grid_thw, not {sorted(inputs)}")
         vision = config.vision_config
         merge = int(vision.spatial_merge_size)
         grid = inputs["image_grid_thw"]
@@ -139,7 +139,7 @@ class Qwen2VLPromptProcessor(MediaPromptProcessor):
         except MediaError:
             raise
         except ValueError as e:  # the image processor's: bounds or a shape the image cannot be resized within
-            raise MediaError(item.wire_field, str(e)) from None
+            raise MediaError(item.wire_field, f"the image processor cannot take the image: {e}") from None
 
     def prepare(self, prompt: str | Sequence[int], media: Sequence[Media]) -> MultimodalPrompt:
         placed = super().prepare(prompt, media)
