@@ -2,10 +2,9 @@
 the model runs (MaskFiller), advance matchers with sampled tokens. Masks are applied to the logits by the sampler
 (lmrpc.kernels.sampling.apply_bitmask, plain torch).
 
-json_schema, regex and ebnf go to llguidance's own front ends (a regex as a one-rule Lark grammar). A
-structural_tag (SGLang's format, below) is translated here into a Lark grammar: free text with lazily matched
-triggers, each forcing one of its structures (`begin`, a JSON value of the structure's schema, `end`) before free
-text resumes.
+json_schema, regex and ebnf go to llguidance's own front ends (a regex as a one-rule Lark grammar); a structural_tag
+is translated into a Lark grammar (structural_tag.py). Every constraint is first held to the grammar limits, and
+compiled on deep-stack threads (grammar_limits.py).
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import llguidance
@@ -28,9 +25,21 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from lmrpc.server.protocol import Constraint, ConstraintKind
+from lmrpc.server.engine.grammar_limits import GrammarError, GrammarLimits, readable, shared_threads
+from lmrpc.server.engine.structural_tag import parse_structural_tag, structural_tag_lark, tag_limit_error
+from lmrpc.server.protocol import Constraint
+
+__all__ = ["GrammarBackend", "GrammarError", "GrammarLimits", "GrammarMatcher", "MaskFiller", "PendingMasks",
+           "parse_structural_tag"]
 
 _CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
+# Compiles for checks run on this many deep-stack threads (grammar_limits.py); the engine's matchers on one of their
+# own, so a slow user grammar never holds up the engine loop. Two also bound the cores hostile grammars can take.
+_CHECK_THREADS = 2
+# A grammar whose language is empty (`root ::= root "a"`: no rule ever ends) passes llguidance's compile; the first
+# mask finds it, with an internal dump for a message.
+_EMPTY_LANGUAGE = "it matches no text at all, so no output can satisfy it"
+_EMPTY_LANGUAGE_HINT = ' (does a rule never end? e.g. root ::= root "a" has no alternative without root)'
 # A regex's \d and \w are ASCII ([0-9], [0-9a-zA-Z_]), as in JSON-schema patterns, xgrammar and Outlines: left
 # Unicode, "\d{3}" lets a model write digits from any script (it does: U+1FBF8 SEGMENTED DIGIT EIGHT).
 _REGEX_ASCII_CLASSES = "dw"
@@ -39,15 +48,6 @@ _REGEX_ASCII_CLASSES = "dw"
 # produces without any_whitespace. llguidance's own rigid mode (",", ":") is a layout models rarely saw in training.
 _RIGID_JSON: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _FLEXIBLE_JSON: JsonCompileOptions = {"whitespace_flexible": True}
-
-
-class GrammarError(ValueError):
-    """A constraint that does not compile; the message names the kind and carries the compiler's error."""
-
-    def __init__(self, kind: ConstraintKind, message: str) -> None:
-        super().__init__(f"invalid {kind}: {message}")
-        self.kind = kind
-        self.message = message
 
 
 class GrammarMatcher:
@@ -70,176 +70,34 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        return str(self.matcher.get_error()) if self.matcher.is_error() else None
+        return readable(self.matcher.get_error()) if self.matcher.is_error() else None
 
     def fork(self) -> GrammarMatcher:
         return GrammarMatcher(self.matcher.deep_copy())
-
-
-# ---- structural tags -------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TagStructure:
-    """One structure of a structural tag: the output holds `begin`, then JSON valid for `schema`, then `end`."""
-
-    begin: str  # starts with one of the tag's triggers, e.g. "<function=get_weather>"
-    schema: str  # the JSON schema of what comes between begin and end, as JSON text
-    end: str  # e.g. "</function>"; may be empty
-
-
-@dataclass(frozen=True)
-class StructuralTag:
-    """SGLang's structural tag: {"type": "structural_tag", "structures": [...], "triggers": [...]}."""
-
-    structures: tuple[TagStructure, ...]
-    triggers: tuple[str, ...]  # text that, once generated, must continue into a structure whose begin it starts
-
-
-def parse_structural_tag(text: str) -> StructuralTag:
-    """The structural tag in `text` (JSON); raises GrammarError naming what is wrong."""
-
-    def fail(message: str) -> GrammarError:
-        return GrammarError("structural_tag", message)
-
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise fail(f"not valid JSON: {exc}") from exc
-    if not isinstance(spec, dict):
-        raise fail(f"expected a JSON object, got {type(spec).__name__}")
-    kind = spec.get("type", "structural_tag")  # SGLang's native parameter omits it; response_format carries it
-    if kind != "structural_tag":
-        raise fail(f'"type" must be "structural_tag", got {kind!r}')
-    if "format" in spec:
-        raise fail('the "format" form is not supported; give "structures" and "triggers"')
-    unknown = sorted(set(spec) - {"type", "structures", "triggers"})
-    if unknown:
-        raise fail(f"unknown key(s) {', '.join(map(repr, unknown))}")
-    raw_triggers = spec.get("triggers")
-    if not isinstance(raw_triggers, list) or not raw_triggers:
-        raise fail('"triggers" must be a non-empty list of strings')
-    if not all(isinstance(t, str) and t for t in raw_triggers):
-        raise fail('"triggers" must hold non-empty strings')
-    triggers = tuple(dict.fromkeys(cast("list[str]", raw_triggers)))
-    raw_structures = spec.get("structures")
-    if not isinstance(raw_structures, list) or not raw_structures:
-        raise fail('"structures" must be a non-empty list of {"begin", "schema", "end"} objects')
-    structures = tuple(_parse_structure(i, s, triggers) for i, s in enumerate(raw_structures))
-    for trigger in triggers:
-        # A trigger no structure continues would forbid that text outright: surely a mistake in the request.
-        if not any(s.begin.startswith(trigger) for s in structures):
-            raise fail(f"trigger {trigger!r} starts no structure's begin")
-    return StructuralTag(structures, triggers)
-
-
-def _check_special_placement(tag: StructuralTag, special_tokens: Mapping[str, int]) -> None:
-    """A text trigger is matched as one lazy lexeme, and a lexeme cannot hold a special token: a trigger may start
-    with a special token but not contain one after text."""
-    for trigger in tag.triggers:
-        if any(trigger.startswith(name) for name in special_tokens):
-            continue
-        inner = next((name for name in special_tokens if name in trigger), None)
-        if inner is not None:
-            raise GrammarError("structural_tag", f"trigger {trigger!r} holds the special token {inner!r} after "
-                                                 "text; a trigger may only start with a special token")
-
-
-def _parse_structure(index: int, raw: object, triggers: tuple[str, ...]) -> TagStructure:
-    where = f"structures[{index}]"
-    if not isinstance(raw, dict):
-        raise GrammarError("structural_tag", f"{where} must be an object with begin, schema and end")
-    begin, schema, end = raw.get("begin"), raw.get("schema"), raw.get("end")
-    if not isinstance(begin, str) or not begin:
-        raise GrammarError("structural_tag", f'{where}.begin must be a non-empty string')
-    if not isinstance(end, str):
-        raise GrammarError("structural_tag", f'{where}.end must be a string')
-    if isinstance(schema, str):  # a schema sent as JSON text, as json_schema takes it
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise GrammarError("structural_tag", f"{where}.schema is not valid JSON: {exc}") from exc
-    if schema is False:
-        raise GrammarError("structural_tag", f"{where}.schema is false: nothing matches it")
-    if schema is True:
-        schema = {}  # the same schema (anything), in the object form %json takes
-    if not isinstance(schema, dict):
-        raise GrammarError("structural_tag", f"{where}.schema must be a JSON schema (an object)")
-    if not any(begin.startswith(t) for t in triggers):
-        raise GrammarError("structural_tag", f"{where}.begin {begin!r} starts with none of the triggers")
-    return TagStructure(begin=begin, schema=json.dumps(schema, ensure_ascii=False), end=end)
-
-
-def structural_tag_lark(tag: StructuralTag, json_options: JsonCompileOptions | None,
-                        special_tokens: Mapping[str, int]) -> str:
-    """A Lark grammar for `tag`: any text; a trigger in it must go on into one of the structures it starts, then
-    any text again (any number of calls, none required).
-
-    A text trigger is a lazy lexeme (free text up to the first occurrence of the trigger). A trigger that starts
-    with a special token of the tokenizer (e.g. <|python_tag|>) is matched as that token: free text never contains
-    special tokens, so no laziness is needed, and a model emits such a trigger as the single token, not spelled out.
-    `json_options` (whitespace layout) go into each schema's "x-guidance", which %json honours.
-    """
-    _check_special_placement(tag, special_tokens)
-    lines = [
-        "%llguidance {}",
-        "start: call* TEXT",
-        r"TEXT: /(.|\n)*/",
-    ]
-    calls: list[str] = []
-    for i, trigger in enumerate(tag.triggers):
-        bodies = []
-        for s in tag.structures:
-            if not s.begin.startswith(trigger):
-                continue
-            schema = json.loads(s.schema)  # an object: _parse_structure made sure
-            if json_options is not None:  # the request's option beats the schema's own, as for json_schema
-                own = schema.get("x-guidance")
-                schema = {**schema, "x-guidance": {**(own if isinstance(own, dict) else {}), **json_options}}
-            parts = [_lark_text(s.begin[len(trigger):], special_tokens), "%json " + json.dumps(schema),
-                     _lark_text(s.end, special_tokens)]
-            bodies.append(" ".join(p for p in parts if p))
-        if any(trigger.startswith(name) for name in special_tokens):
-            head = f"TEXT {_lark_text(trigger, special_tokens)}"
-        else:
-            lines.append(f"trigger_{i}[lazy]: TEXT {_lark_string(trigger)}")
-            head = f"trigger_{i}"
-        lines.append(f"call_{i}: {head} ({' | '.join(bodies)})")
-        calls.append(f"call_{i}")
-    lines.append(f"call: {' | '.join(calls)}")
-    return "\n".join(lines) + "\n"
-
-
-def _lark_string(text: str) -> str:
-    # A JSON string literal is a valid Lark string literal (same escapes); keep non-ASCII as is.
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _lark_text(text: str, special_tokens: Mapping[str, int]) -> str:
-    """Lark for a literal: plain text as strings, special tokens inside it as token references."""
-    out: list[str] = []
-    rest = text
-    while rest:
-        hits = [(rest.find(name), name) for name in special_tokens if name in rest]
-        if not hits:
-            out.append(_lark_string(rest))
-            break
-        at, name = min(hits, key=lambda h: (h[0], -len(h[1])))
-        if at:
-            out.append(_lark_string(rest[:at]))
-        out.append(f"<[{special_tokens[name]}]>")
-        rest = rest[at + len(name):]
-    return " ".join(out)
 
 
 # ---- the backend -----------------------------------------------------------------------------------------------
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """Constraints -> llguidance grammars and matchers, within `limits` (grammar_limits.py).
+
+    Each constraint is checked on its text first (size, depth, rules: linear scans on the calling thread, before any
+    parse), then translated and compiled on deep-stack threads, where a compile the limits let through cannot
+    overflow a stack; the engine's matchers are built there too (building one compiles the grammar again).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                 limits: GrammarLimits | None = None) -> None:
         self.vocab_size = vocab_size
+        self.limits = limits or GrammarLimits()
         self._tokenizer = llguidance.hf.from_tokenizer(cast("TokenizersBackend", tokenizer), n_vocab=vocab_size)
         self._executor = llguidance.LLExecutor()
+        # llguidance's own bounds at their defaults (lexer fuel, Earley items per step, 500,000 grammar symbols);
+        # verbose_errors off: an error is a line, not a dump of parser state and grammar.
+        self._parser_limits = llguidance.LLParserLimits(verbose_errors=False)
+        self._check_threads = shared_threads("lmrpc-grammar-check", _CHECK_THREADS)
+        self._matcher_threads = shared_threads("lmrpc-grammar-matcher", 1)
         self._compiled: OrderedDict[tuple[str, str, bool | None], str] = OrderedDict()
         self._lock = threading.Lock()  # compile runs on service threads, matchers on the engine thread
         # Tokens llguidance treats as special (never part of free text): a structural tag names them as tokens.
@@ -250,29 +108,64 @@ class GrammarBackend:
 
     def compile(self, constraint: Constraint) -> str:
         """The llguidance grammar of a constraint (cached by kind, text and options); raises GrammarError."""
+        grammar = self._cached(constraint)
+        if grammar is None:
+            grammar, _ = self._check_threads.run(lambda: self._build(constraint))
+        return grammar
+
+    def _cached(self, constraint: Constraint) -> str | None:
+        """The cached grammar, or None after checking the limits (a constraint past them never gets further)."""
         key = (constraint.kind, constraint.text, constraint.json_whitespace_flexible)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        grammar = self._translate(constraint)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        error = self._limit_error(constraint)
         if error:
-            raise GrammarError(constraint.kind, str(error))
+            raise GrammarError(constraint.kind, error)
+        return None
+
+    def _limit_error(self, constraint: Constraint) -> str | None:
+        kind, text, limits = constraint.kind, constraint.text, self.limits
+        what = {"json_schema": "the schema", "structural_tag": "the structural tag", "regex": "the pattern"}
+        error = limits.size_error(text, what.get(kind, "the grammar"))
+        if error is None and kind == "json_schema":
+            error = limits.json_error(text, "the schema")
+        if error is None and kind == "structural_tag":
+            error = tag_limit_error(text, limits)
+        if error is None and kind == "ebnf":
+            error = limits.grammar_error(text)
+        # A regex needs no more: its parser refuses groups nested past 250 (regex-syntax's nest limit), iteratively.
+        return error
+
+    def _build(self, constraint: Constraint) -> tuple[str, llguidance.LLMatcher]:
+        """Translate, compile and check the constraint (on a deep-stack thread); cache the grammar. A new matcher
+        comes with it, its first mask computed: a language with no text shows only there."""
+        grammar = self._translate(constraint)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, limits=self._parser_limits)
+        if not matcher.is_error():
+            mask = matcher.compute_bitmask()
+            nothing_allowed = not any(mask) and not matcher.is_accepting()
+            if nothing_allowed or (matcher.is_error() and matcher.get_error().startswith("NoExtension")):
+                hint = _EMPTY_LANGUAGE_HINT if constraint.kind == "ebnf" else ""
+                raise GrammarError(constraint.kind, _EMPTY_LANGUAGE + hint)
+        if matcher.is_error():
+            raise GrammarError(constraint.kind, readable(matcher.get_error()))
+        key = (constraint.kind, constraint.text, constraint.json_whitespace_flexible)
         with self._lock:
             self._compiled[key] = grammar
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        return grammar
+        return grammar, matcher
 
     def _translate(self, constraint: Constraint) -> str:
-        """The constraint as an (unvalidated) llguidance grammar."""
+        """The constraint as an (unvalidated) llguidance grammar; its text is within the limits."""
         kind = constraint.kind
         flexible = constraint.json_whitespace_flexible
         json_options = None if flexible is None else _FLEXIBLE_JSON if flexible else _RIGID_JSON
         if kind == "json_schema":
             try:
-                schema = json.loads(constraint.text)
+                schema = json.loads(constraint.text)  # nested no deeper than max_grammar_depth: no RecursionError
             except json.JSONDecodeError as exc:
                 raise GrammarError(kind, f"not valid JSON: {exc}") from exc
             if schema is False:
@@ -285,9 +178,9 @@ class GrammarBackend:
                 # overrides: an explicit request option beats the schema's own "x-guidance"
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options)
             except ValueError as exc:
-                raise GrammarError(kind, str(exc)) from exc
+                raise GrammarError(kind, readable(str(exc))) from exc
         if kind == "structural_tag":
-            tag = parse_structural_tag(constraint.text)
+            tag = parse_structural_tag(constraint.text, self.limits)
             return llguidance.grammar_from("lark", structural_tag_lark(tag, json_options, self._special_tokens))
         if kind == "regex":
             text = constraint.text
@@ -298,7 +191,7 @@ class GrammarBackend:
         try:
             return llguidance.grammar_from("ebnf", constraint.text)  # GBNF (`root ::= ...`) or Lark
         except ValueError as exc:
-            raise GrammarError(kind, str(exc)) from exc
+            raise GrammarError(kind, readable(str(exc))) from exc
 
     def check(self, constraint: Constraint) -> str | None:
         try:
@@ -313,9 +206,14 @@ class GrammarBackend:
         return bytes(self._tokenizer.decode_bytes([token_id]))
 
     def new_matcher(self, constraint: Constraint) -> GrammarMatcher:
-        matcher = llguidance.LLMatcher(self._tokenizer, self.compile(constraint))
+        """A fresh matcher (engine thread; built on the matcher's own deep-stack thread)."""
+        grammar = self._cached(constraint)
+        if grammar is None:  # evicted since its check (or never checked): compile and check it now
+            return GrammarMatcher(self._matcher_threads.run(lambda: self._build(constraint))[1])
+        matcher = self._matcher_threads.run(
+            lambda: llguidance.LLMatcher(self._tokenizer, grammar, limits=self._parser_limits))
         if matcher.is_error():
-            raise GrammarError(constraint.kind, str(matcher.get_error()))
+            raise GrammarError(constraint.kind, readable(matcher.get_error()))
         return GrammarMatcher(matcher)
 
     def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], out: torch.Tensor) -> None:
