@@ -201,6 +201,10 @@ async def test_clips_the_model_cannot_take_are_invalid_argument_naming_them(tiny
             assert len(out.token_ids) == 2
             [reply] = [m async for m in openai.ChatComplete(chat(321))]
             assert reply.usage.completion_tokens == 2
+            # GetModelInfo publishes the same bounds: the model's 1 s (below --max-audio-seconds' 600), 321 samples
+            limits = (await stub.GetModelInfo(generate_pb2.GetModelInfoRequest())).limits
+            assert (limits.max_audio_seconds, limits.min_audio_samples, limits.audio_sampling_rate) == (1.0, 321,
+                                                                                                          16000)
     finally:
         engine.shutdown()
 

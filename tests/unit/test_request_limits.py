@@ -64,7 +64,7 @@ def test_sampling_lists_are_bounded_by_count(field: str, make, limit: int) -> No
     validation.check_generate_sizes(at_limit, 1, LIMITS, CAPACITY)
     error = _refused(generate_pb2.GenerateRequest(text=["hi"], sampling_params=[make(limit + 1)]))
     [v] = error.violations
-    assert v.field == f"sampling_params.{field}"
+    assert v.field == f"sampling_params[0].{field}"
     assert f"has {limit + 1} entries" in v.description and f"at most {limit}" in v.description
 
 
@@ -72,7 +72,7 @@ def test_stop_strings_are_bounded_in_length() -> None:
     long = "x" * (LIMITS.max_stop_chars + 1)
     error = _refused(generate_pb2.GenerateRequest(
         text=["hi"], sampling_params=[generate_pb2.SamplingParams(stop=["a", long])]))
-    assert error.violations[0].field == "sampling_params.stop"
+    assert error.violations[0].field == "sampling_params[0].stop"
     assert "--max-stop-chars" in error.violations[0].description
 
 

@@ -25,6 +25,14 @@ from lmrpc.server.config import (
     ServerConfig,
     TransportConfig,
 )
+from lmrpc.server.engine.grammar_limits import (
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    DEFAULT_MAX_GRAMMAR_DEPTH,
+    DEFAULT_MAX_GRAMMAR_RULES,
+    MAX_GRAMMAR_DEPTH_CEILING,
+    MAX_GRAMMAR_RULES_CEILING,
+    GrammarLimits,
+)
 from lmrpc.server.memory import InsufficientMemoryError
 from lmrpc.server.telemetry import LOG_FORMATS, configure_logging
 
@@ -157,6 +165,15 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
                    help="characters of one stop string or stop regex (1024)")
     g.add_argument("--max-logprob-token-ids", type=int, default=256, metavar="N",
                    help="token_ids_logprob entries of one request (256)")
+    g.add_argument("--max-grammar-bytes", type=int, default=DEFAULT_MAX_GRAMMAR_BYTES, metavar="BYTES",
+                   help="bytes of one structured-output constraint: json_schema, regex, ebnf, structural_tag "
+                        f"({DEFAULT_MAX_GRAMMAR_BYTES})")
+    g.add_argument("--max-grammar-depth", type=int, default=DEFAULT_MAX_GRAMMAR_DEPTH, metavar="N",
+                   help="nesting of a constraint: JSON arrays and objects, grammar groups "
+                        f"({DEFAULT_MAX_GRAMMAR_DEPTH}; at most {MAX_GRAMMAR_DEPTH_CEILING})")
+    g.add_argument("--max-grammar-rules", type=int, default=DEFAULT_MAX_GRAMMAR_RULES, metavar="N",
+                   help="rules of an EBNF grammar, or distinct $ref targets of a JSON schema "
+                        f"({DEFAULT_MAX_GRAMMAR_RULES}; at most {MAX_GRAMMAR_RULES_CEILING})")
 
 
 def _add_hardening_flags(p: argparse.ArgumentParser) -> None:
@@ -238,9 +255,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             lora=LoraConfig(lora_modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank,
                             max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
                             lora_root=args.lora_root, enable_lora_admin=args.enable_lora_admin),
+            grammar=GrammarLimits(max_grammar_bytes=args.max_grammar_bytes, max_grammar_depth=args.max_grammar_depth,
+                                  max_grammar_rules=args.max_grammar_rules),
         )
     except ValueError as e:
-        _flag_error(e, ModelConfig, CacheConfig, SchedulerConfig, EngineConfig, LoraConfig)
+        _flag_error(e, ModelConfig, CacheConfig, SchedulerConfig, EngineConfig, LoraConfig, GrammarLimits)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

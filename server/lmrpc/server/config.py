@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from lmrpc.server.engine.grammar_limits import GrammarLimits
 from lmrpc.server.lora.errors import NAME_RULE, valid_name
 from lmrpc.server.userinput import clip
 
@@ -128,6 +129,7 @@ class EngineConfig:
     # resumes when the client has read half of them).
     max_buffered_outputs: int = 64
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured-output constraints' size and depth
 
     def __post_init__(self) -> None:
         if self.sampling_defaults not in ("model", "openai"):

@@ -14,7 +14,7 @@ import numpy as np
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend, attach_media
-from lmrpc.server.lora.errors import AdapterError
+from lmrpc.server.lora.errors import MAX_NAME_CHARS, AdapterError
 from lmrpc.server.lora.registry import AdapterInfo, LoadedAdapter
 from lmrpc.server.media import ingest
 from lmrpc.server.protocol import (
@@ -294,7 +294,31 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             experts=None if info.experts is None else generate_pb2.ExpertsInfo(
                 num_layers=info.experts.num_layers, num_experts=info.experts.num_experts, top_k=info.experts.top_k,
                 return_enabled=self.frontend.engine_config.enable_return_routed_experts),
+            limits=self._limits_pb(),
         )
+
+    def _limits_pb(self) -> generate_pb2.RequestLimits:
+        """Every bound validation checks, from the flags and the model's own media limits."""
+        frontend = self.frontend
+        limits, media = frontend.server_config.limits, frontend.server_config.media
+        grammar = frontend.engine_config.grammar
+        pb = generate_pb2.RequestLimits(
+            max_outputs_per_call=frontend.capacity, max_logit_bias=limits.max_logit_bias, max_stop=limits.max_stop,
+            max_stop_chars=limits.max_stop_chars, max_logprob_token_ids=limits.max_logprob_token_ids,
+            max_top_logprobs=validation.MAX_TOP_LOGPROBS, max_grammar_bytes=grammar.max_grammar_bytes,
+            max_grammar_depth=grammar.max_grammar_depth, max_grammar_rules=grammar.max_grammar_rules,
+            max_request_id_chars=validation.MAX_RID_CHARS, max_media_items=media.max_media_items,
+            max_media_bytes=media.max_media_bytes, max_image_pixels=media.max_image_pixels,
+            max_adapter_name_chars=MAX_NAME_CHARS,
+        )
+        processor = frontend.multimodal_processor()
+        if processor is not None and processor.sampling_rate > 0:  # a model that takes audio
+            model_max = processor.max_audio_seconds
+            pb.max_audio_seconds = media.max_audio_seconds if model_max is None else min(media.max_audio_seconds,
+                                                                                          model_max)
+            pb.min_audio_samples = processor.min_audio_samples
+            pb.audio_sampling_rate = processor.sampling_rate
+        return pb
 
     # ---- LoRA adapters ---------------------------------------------------------------------------------------------
 

@@ -250,8 +250,7 @@ def check_generate_sizes(req: generate_pb2.GenerateRequest, num_prompts: int, li
     prompts = next(k for k in ("text", "input_ids", "input_embeds") if len(getattr(req, k)))
     check_outputs(num_prompts * max(n, 1), capacity, "sampling_params.n" if n > 1 else prompts)
     c = Collector()
-    prefix = (lambda i: "sampling_params.") if len(req.sampling_params) == 1 else (lambda i: f"sampling_params[{i}].")
-    check_sizes(c, [(prefix(i), sp) for i, sp in enumerate(req.sampling_params)], limits)
+    check_sizes(c, [(f"sampling_params[{i}].", sp) for i, sp in enumerate(req.sampling_params)], limits)
     count = len(req.token_ids_logprob)
     c.check(count <= limits.max_logprob_token_ids, "token_ids_logprob",
             f"has {count} entries; the server takes at most {limits.max_logprob_token_ids} (--max-logprob-token-ids)")

@@ -69,7 +69,7 @@ class AsyncEngine:
                     memory.check_model_fits(memory.model_files_bytes(path), memory.memory_budget())
                 loaded = load_model(config.model)
                 engine = Engine(loaded, config, ProcessorRegistry.load(),
-                                GrammarBackend(loaded.tokenizer, loaded.info.vocab_size))
+                                GrammarBackend(loaded.tokenizer, loaded.info.vocab_size, config.grammar))
             except BaseException as exc:  # noqa: BLE001 (not swallowed: start() raises it in the caller)
                 built.put(exc)
                 return

@@ -10,8 +10,9 @@ from lmrpc.server.userinput import clip
 # Adapter names (LoadLoraAdapter, --lora-modules, a lora_path loaded under its own text): short printable
 # identifiers, so that they fit in logs, metric labels and errors. '/' is allowed because a path under --lora-root
 # becomes the adapter's name; ':' is not (an OpenAI model "served:adapter" splits there).
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_/-][A-Za-z0-9._/-]{0,127}")
-NAME_RULE = "1-128 characters of A-Z a-z 0-9 . _ - /, not starting with '.'"
+MAX_NAME_CHARS = 128
+NAME_PATTERN = re.compile(rf"[A-Za-z0-9_/-][A-Za-z0-9._/-]{{0,{MAX_NAME_CHARS - 1}}}")
+NAME_RULE = f"1-{MAX_NAME_CHARS} characters of A-Z a-z 0-9 . _ - /, not starting with '.'"
 
 
 class AdapterErrorKind(enum.Enum):
