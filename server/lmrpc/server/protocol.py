@@ -35,6 +35,9 @@ class Finish:
     matched_token_id: int | None = None  # EOS / stop token / grammar-end token that ended it
     matched_text: str | None = None  # stop string, or stop_regex pattern, that ended it
     message: str = ""  # human-readable detail (ERROR, ABORT)
+    # ERROR caused by the request itself, not by the server (its grammar passed the parser's limits mid-generation,
+    # its tokens cannot fit the KV pool): services that answer a status say INVALID_ARGUMENT, not INTERNAL
+    request_fault: bool = False
 
 
 ConstraintKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]

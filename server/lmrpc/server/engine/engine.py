@@ -219,7 +219,7 @@ class Engine:
         if not self.scheduler.can_ever_fit(needed):
             capacity = self.kv.num_pages * self.kv.page_size
             message = f"request needs {needed} tokens of KV cache but the pool holds {capacity}"
-            sink(outputs.final(request, Finish(FinishReason.ERROR, message=message), seq))
+            sink(outputs.final(request, Finish(FinishReason.ERROR, message=message, request_fault=True), seq))
             return
         embeds = request.prompt_embeds
         if embeds is not None and (not self.info.accepts_embeddings or embeds.hidden != self.info.hidden_size):
@@ -358,7 +358,8 @@ class Engine:
         if live.grammar is not None:
             live.grammar.advance(token)
             if live.grammar.error is not None:
-                self._finish(live, Finish(FinishReason.ERROR, message=f"grammar: {live.grammar.error}"))
+                self._finish(live, Finish(FinishReason.ERROR, message=f"grammar: {live.grammar.error}",
+                                          request_fault=True))
                 return
             grammar_done = live.grammar.is_finished
         step = live.output.process(token, grammar_finished=grammar_done)

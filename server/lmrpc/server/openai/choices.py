@@ -28,7 +28,12 @@ _STOP_REASONS = (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_ST
 
 
 class EngineFailure(Exception):
-    """An output the engine ended with ERROR: the call fails (INTERNAL) with the engine's message."""
+    """An output the engine ended with ERROR: the call fails with the engine's message, INVALID_ARGUMENT where the
+    request caused it (Finish.request_fault: its grammar, its size), else INTERNAL."""
+
+    def __init__(self, message: str, request_fault: bool) -> None:
+        super().__init__(message)
+        self.request_fault = request_fault
 
 
 def engine_requests(rid: str, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], candidates: int,
@@ -73,7 +78,7 @@ class Candidate:
 
     def add(self, out: EngineOutput) -> None:
         if out.finish is not None and out.finish.reason is FinishReason.ERROR:
-            raise EngineFailure(out.finish.message or "the engine failed this request")
+            raise EngineFailure(out.finish.message or "the engine failed this request", out.finish.request_fault)
         self.token_ids.extend(out.token_ids)
         self.text.append(out.text)
         self.output_logprobs.extend(out.output_logprobs)

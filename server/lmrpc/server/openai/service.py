@@ -122,4 +122,5 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
                     async for msg in answer(plan, outputs):
                         yield msg
             except EngineFailure as exc:
-                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+                code = grpc.StatusCode.INVALID_ARGUMENT if exc.request_fault else grpc.StatusCode.INTERNAL
+                await context.abort(code, validation.clip(str(exc), validation.MAX_ERROR_BYTES))
