@@ -310,6 +310,7 @@ class Case:
     payload: bytes  # the request's bytes
     with_key: bool  # send the API key (a server without keys ignores it)
     timeout: float  # the call's deadline, seconds
+    metadata: tuple[tuple[str, str], ...] = ()  # more metadata sent with it (x-request-id, ...)
 
 
 def cases(timeouts: tuple[float, ...] = (0.5, 1.5)) -> st.SearchStrategy[Case]:
@@ -330,10 +331,16 @@ def _identity(b: bytes) -> bytes:
 class WireFuzzer:
     """Sends cases to a server and counts the status codes they end with."""
 
-    def __init__(self, target: str, api_key: str | None = None) -> None:
+    def __init__(self, target: str, api_key: str | None = None, raise_forbidden: bool = True) -> None:
         self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
                                                               ("grpc.max_send_message_length", 64 << 20)])
         self.api_key = api_key
+        # False: a forbidden code is returned like any other (a run that lists every one, tests/limit_fuzz.py);
+        # True: it raises, so that hypothesis shrinks the case.
+        self.raise_forbidden = raise_forbidden
+        self.last_seconds = 0.0  # the last call's wall time
+        self.last_details = ""  # the last call's error message ("" when it ended OK)
+        self.slowest: tuple[float, str] = (0.0, "")  # the slowest call's wall time and method
         self.codes: collections.Counter[str] = collections.Counter()
         self.by_method: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.messages: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)  # errors
@@ -342,8 +349,11 @@ class WireFuzzer:
         self.channel.close()
 
     def send(self, case: Case) -> grpc.StatusCode:
-        metadata = (("authorization", f"Bearer {self.api_key}"),) if self.api_key and case.with_key else None
+        key = (("authorization", f"Bearer {self.api_key}"),) if self.api_key and case.with_key else ()
+        metadata = (*key, *case.metadata) or None
         code = grpc.StatusCode.OK
+        self.last_details = ""
+        started = time.monotonic()
         try:
             if case.method.streaming == "unary":
                 call: Callable[..., Any] = self.channel.unary_unary(case.method.path, _identity, _identity)
@@ -359,10 +369,15 @@ class WireFuzzer:
         except grpc.RpcError as e:
             code = e.code()  # type: ignore[attr-defined]
             details = e.details()  # type: ignore[attr-defined]
+            self.last_details = str(details)
             self.messages[case.method.path.rsplit("/", 1)[1]][f"{code.name}: {str(details)[:90]}"] += 1
-            if code in FORBIDDEN:
+            if code in FORBIDDEN and self.raise_forbidden:
                 raise AssertionError(f"{case.method.path} ended {code.name}: {details!r} (payload "
                                      f"{case.payload[:200]!r}{'...' if len(case.payload) > 200 else ''})") from None
+        finally:
+            self.last_seconds = time.monotonic() - started
+            if self.last_seconds > self.slowest[0]:
+                self.slowest = (self.last_seconds, case.method.path.rsplit("/", 1)[1])
         self.codes[code.name] += 1
         self.by_method[case.method.path.rsplit("/", 1)[1]][code.name] += 1
         return code
