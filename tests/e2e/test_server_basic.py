@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from lmrpc.client import Client, FinishReason
+from lmrpc.server.models.linear import resolve_dtype
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -52,8 +54,10 @@ def test_tokenize_detokenize_round_trip(client: Client) -> None:
 
 def test_model_info(client: Client) -> None:
     info = client.model_info()
-    # the bundled GGUF served as it is: Q4_1 layers, the Q8_0 tied embedding/output projection
-    assert info.quantization == "int4" and info.weight_formats == ["q4_1", "q8_0"] and info.dtype == "bfloat16"
+    # the bundled GGUF served as it is: Q4_1 layers, the Q8_0 tied embedding/output projection; --dtype auto is
+    # bfloat16 where this host multiplies it natively, else float32
+    auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    assert info.quantization == "int4" and info.weight_formats == ["q4_1", "q8_0"] and info.dtype == auto
     assert info.vocab_size == 49152
     assert info.max_context_length == 8192
     assert list(info.eos_token_ids) == [2]
