@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from lmrpc.server.engine import grammar as grammar_module
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarError
 from lmrpc.server.engine.grammar_limits import (
     DEFAULT_MAX_GRAMMAR_BYTES,
@@ -273,3 +274,27 @@ def test_crash_reproducers_survive_in_a_subprocess(tokenizer_dir: Path) -> None:
         message, seconds = results["default_" + name]
         assert message is not None and ("--max-grammar-rules" in message or "--max-grammar-depth" in message), name
         assert seconds < 1.0, (name, seconds)
+
+
+def test_engine_matchers_are_copies_of_the_checked_one(backend: GrammarBackend,
+                                                       smollm2_tokenizer: PreTrainedTokenizerBase,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the service's check, the engine's matchers are copies (no grammar compiled again on the engine's path:
+    n outputs of a large schema each rebuilt it and stalled the engine), and each copy advances on its own."""
+    constraint = Constraint("ebnf", 'root ::= "yes" | "no"')
+    assert backend.check(constraint) is None
+    built: list[object] = []
+    real = grammar_module.llguidance.LLMatcher
+
+    def counting(*args: object, **kwargs: object) -> object:
+        built.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", counting)
+    first, second = backend.new_matcher(constraint), backend.new_matcher(constraint)
+    assert built == []
+    yes = smollm2_tokenizer.encode("yes", add_special_tokens=False)[0]
+    first.advance(yes)
+    assert first.error is None and second.allows(yes)
+    second.advance(smollm2_tokenizer.encode("no", add_special_tokens=False)[0])
+    assert second.error is None and first.error is None

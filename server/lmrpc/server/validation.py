@@ -298,10 +298,11 @@ def media_error(exc: MediaError) -> RequestError:
 
 def check_prompt_ids(c: Collector, ids: list[int], field: str, info: ModelInfo) -> None:
     """A tokenized prompt: ids in the vocabulary, and room left in the context for at least one token."""
-    bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
-    c.check(bad is None, field, f"token id {bad} outside [0, {info.vocab_size})")
     c.check(len(ids) < info.max_context_length, field,
             f"prompt has {len(ids)} tokens; the context holds {info.max_context_length}")
+    if len(ids) < info.max_context_length:  # (a longer prompt is refused for its length: its ids are not read)
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        c.check(bad is None, field, f"token id {bad} outside [0, {info.vocab_size})")
 
 
 def check_embeddings(req: generate_pb2.GenerateRequest, info: ModelInfo) -> list[PromptEmbeddings]:

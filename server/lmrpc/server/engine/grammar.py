@@ -33,6 +33,10 @@ __all__ = ["GrammarBackend", "GrammarError", "GrammarLimits", "GrammarMatcher", 
            "parse_structural_tag"]
 
 _CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
+# Checked matchers kept to copy for the engine: a copy takes microseconds, where building one compiles the grammar
+# again (2 s for a 3,000-property schema); built on the engine's path, n such outputs stalled every other request.
+# A large schema's matcher holds up to ~18 MiB, hence few.
+_PROTOTYPES = 16
 # Compiles for checks run on this many deep-stack threads (grammar_limits.py); the engine's matchers on one of their
 # own, so a slow user grammar never holds up the engine loop. Two also bound the cores hostile grammars can take.
 _CHECK_THREADS = 2
@@ -99,6 +103,7 @@ class GrammarBackend:
         self._check_threads = shared_threads("lmrpc-grammar-check", _CHECK_THREADS)
         self._matcher_threads = shared_threads("lmrpc-grammar-matcher", 1)
         self._compiled: OrderedDict[tuple[str, str, bool | None], str] = OrderedDict()
+        self._prototypes: OrderedDict[tuple[str, str, bool | None], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # compile runs on service threads, matchers on the engine thread
         # Tokens llguidance treats as special (never part of free text): a structural tag names them as tokens.
         self._special_tokens = {
@@ -156,7 +161,15 @@ class GrammarBackend:
             self._compiled[key] = grammar
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
+            self._keep_prototype(key, matcher)
         return grammar, matcher
+
+    def _keep_prototype(self, key: tuple[str, str, bool | None], matcher: llguidance.LLMatcher) -> None:
+        """Keep `matcher` (never advanced: only copied) as the constraint's prototype; called under the lock."""
+        self._prototypes[key] = matcher
+        self._prototypes.move_to_end(key)
+        if len(self._prototypes) > _PROTOTYPES:
+            self._prototypes.popitem(last=False)
 
     def _translate(self, constraint: Constraint) -> str:
         """The constraint as an (unvalidated) llguidance grammar; its text is within the limits."""
@@ -206,15 +219,25 @@ class GrammarBackend:
         return bytes(self._tokenizer.decode_bytes([token_id]))
 
     def new_matcher(self, constraint: Constraint) -> GrammarMatcher:
-        """A fresh matcher (engine thread; built on the matcher's own deep-stack thread)."""
-        grammar = self._cached(constraint)
-        if grammar is None:  # evicted since its check (or never checked): compile and check it now
-            return GrammarMatcher(self._matcher_threads.run(lambda: self._build(constraint))[1])
-        matcher = self._matcher_threads.run(
-            lambda: llguidance.LLMatcher(self._tokenizer, grammar, limits=self._parser_limits))
-        if matcher.is_error():
-            raise GrammarError(constraint.kind, readable(matcher.get_error()))
-        return GrammarMatcher(matcher)
+        """A fresh matcher (engine thread): a copy of the one the service's check built, else one built on the
+        matcher's own deep-stack thread (and kept to copy)."""
+        key = (constraint.kind, constraint.text, constraint.json_whitespace_flexible)
+        with self._lock:
+            prototype = self._prototypes.get(key)
+            if prototype is not None:
+                self._prototypes.move_to_end(key)
+        if prototype is None:
+            grammar = self._cached(constraint)
+            if grammar is None:  # evicted since its check (or never checked): compile and check it now
+                prototype = self._matcher_threads.run(lambda: self._build(constraint))[1]
+            else:
+                prototype = self._matcher_threads.run(
+                    lambda: llguidance.LLMatcher(self._tokenizer, grammar, limits=self._parser_limits))
+                if prototype.is_error():
+                    raise GrammarError(constraint.kind, readable(prototype.get_error()))
+                with self._lock:
+                    self._keep_prototype(key, prototype)
+        return GrammarMatcher(prototype.deep_copy())
 
     def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], out: torch.Tensor) -> None:
         """out [B, ceil(vocab/32)] int32: for each (matcher, i), row i <- its allowed tokens; one parallel call.
