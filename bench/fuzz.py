@@ -100,8 +100,9 @@ def main() -> int:
     failure: str | None = None
     progress = {"n": 0}
     rss_trace: list[int] = []  # MiB every 100 cases
-    # RSS growth is measured from after the first tenth of the cases: by then the heaviest valid calls (hundreds of
-    # outputs, grammars of the byte limit) have set the allocator's high-water mark; a leak goes on growing.
+    # RSS growth is measured from after the first tenth of the cases, the server settled both times: by then what is
+    # kept on purpose (compiled grammars and matchers up to their bounds, buffers sized by the largest calls) has
+    # mostly filled; a leak goes on growing.
     rss_start = {"bytes": resident_bytes(server.pid) if server else 0, "after_cases": 0}
     warm_cases = max(1, args.cases // 10) if limits_mode else 0
 
@@ -111,7 +112,7 @@ def main() -> int:
         send(case)
         progress["n"] += 1
         if progress["n"] == warm_cases and server is not None:
-            rss_start.update(bytes=resident_bytes(server.pid), after_cases=warm_cases)
+            rss_start.update(bytes=settled_rss(fuzzer, server.pid), after_cases=warm_cases)
         if progress["n"] % 100 == 0:
             rss_trace.append(round(resident_bytes(server.pid) / 2**20) if server else 0)
         if progress["n"] % 250 == 0:
@@ -139,7 +140,7 @@ def main() -> int:
         summary["server_alive"] = server.process.poll() is None
         summary["rss_start_mib"] = round(rss_start["bytes"] / 2**20)
         summary["rss_start_after_cases"] = rss_start["after_cases"]
-        summary["rss_end_mib"] = round(resident_bytes(server.pid) / 2**20)
+        summary["rss_end_mib"] = round(settled_rss(fuzzer, server.pid) / 2**20)
         summary["rss_trace_mib"] = rss_trace
         summary["server_exit_code"] = server.stop()
     fuzzer.close()
@@ -154,6 +155,14 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if ok else 1
+
+
+def settled_rss(fuzzer: WireFuzzer, pid: int) -> int:
+    """The server's RSS once nothing runs and its engine has idled a few ticks (it trims the heap then): the start
+    and the end of a run are read alike, so growth compares what the process holds, not where a burst left it."""
+    fuzzer.settled()
+    time.sleep(1.0)
+    return resident_bytes(pid)
 
 
 if __name__ == "__main__":

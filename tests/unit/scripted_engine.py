@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from lmrpc.server.config import EngineConfig, LoraConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.detokenizer import OutputProcessor
+from lmrpc.server.engine.grammar_limits import GrammarError
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.lora.registry import LoraRegistry
@@ -87,8 +88,10 @@ class ScriptedEngine:
     def __post_init__(self) -> None:
         self.grammar = _TokenBytes(self.tokenizer)
 
-    def check_constraint(self, constraint: Constraint) -> str | None:
-        return "invalid json_schema: objekt" if "objekt" in constraint.text else None
+    def check_constraint(self, constraint: Constraint) -> Constraint:
+        if "objekt" in constraint.text:
+            raise GrammarError("json_schema", "objekt")
+        return constraint
 
     def is_live(self, rid: str) -> bool:
         return any(request_id.startswith(rid + "/") for request_id in self.live)

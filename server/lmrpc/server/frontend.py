@@ -1,6 +1,7 @@
 """What every servicer of the engine shares: the engine once loaded, the drain flag, admission control (outputs in
 flight against the server's limit, and per client), request ids, the replica's load, the observation of a call
-(metrics, span, request log; an engine that cannot serve ends it UNAVAILABLE), and the media path (items checked,
+(metrics, span, request log; an engine that cannot serve ends it UNAVAILABLE), the check of a structured-output
+constraint, and the media path (items checked,
 read and decoded, then placed in their prompts by the model's processor and attached to their engine requests)."""
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from lmrpc.server import auth, load, memory, validation
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.engine import EngineUnavailable
+from lmrpc.server.engine.grammar_limits import GrammarError
 from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.media import ingest
 from lmrpc.server.media.types import MediaError, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.metrics import Metrics
-from lmrpc.server.protocol import EngineRequest, PromptMedia
+from lmrpc.server.protocol import EngineRequest, PromptMedia, SamplingParams
 from lmrpc.server.telemetry import CallObserver
 
 T = TypeVar("T")
@@ -221,3 +223,15 @@ class Frontend:
             raise
         finally:
             call.end(context.code() or status)  # code() is set by abort / abort_with_status / wire.py
+
+
+async def check_constraint(engine: AsyncEngine, params: SamplingParams, field: str) -> SamplingParams:
+    """`params` with its constraint checked, carrying the matcher the check built to the engine (compiled off the
+    event loop); INVALID_ARGUMENT naming `field` if it does not compile or passes the grammar limits."""
+    if params.constraint is None:
+        return params
+    try:
+        constraint = await asyncio.to_thread(engine.check_constraint, params.constraint)
+    except GrammarError as exc:
+        raise validation.invalid(field, str(exc)) from exc
+    return replace(params, constraint=constraint)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 GREEDY_TEMPERATURE = 1e-6  # below this, a row is decoded greedily (argmax)
 
@@ -52,6 +55,10 @@ class Constraint:
     # JSON layout (json_schema, and the schemas of a structural_tag): True any whitespace, False exactly
     # json.dumps' ", " and ": ", None llguidance's default (any whitespace) unless the schema's "x-guidance" says
     json_whitespace_flexible: bool | None = None
+    # The matcher the service's check built (never advanced: the engine copies it for each output, in microseconds,
+    # where building one compiles the grammar again). Held by the requests that carry it and gone with them; None
+    # until checked (the engine then builds one on its matcher thread).
+    checked: LLMatcher | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

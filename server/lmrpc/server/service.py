@@ -13,7 +13,7 @@ import numpy as np
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
-from lmrpc.server.frontend import Frontend, attach_media
+from lmrpc.server.frontend import Frontend, attach_media, check_constraint
 from lmrpc.server.lora.errors import MAX_NAME_CHARS, AdapterError
 from lmrpc.server.lora.registry import AdapterInfo, LoadedAdapter
 from lmrpc.server.media import ingest
@@ -159,9 +159,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 except (KeyError, ValueError) as exc:
                     raise validation.invalid("custom_logit_processor", str(exc).strip("'\"")) from exc
             if params.constraint is not None:
-                error = await asyncio.to_thread(self.engine.check_constraint, params.constraint)
-                if error is not None:
-                    raise validation.invalid(f"{name}.{params.constraint.kind}", error)
+                params = await check_constraint(self.engine, params, f"{name}.{params.constraint.kind}")
             mm = placed[i]
             for s in range(params.n):
                 request_id = rid if params.n == 1 else f"{rid}/{s}"

@@ -92,9 +92,10 @@ class AsyncEngine:
         """The engine itself (tests read its page pool)."""
         return self._engine
 
-    def check_constraint(self, constraint: Constraint) -> str | None:
-        """None if the constraint compiles, else the error message (kind and compiler's message)."""
-        return self.grammar.check(constraint)
+    def check_constraint(self, constraint: Constraint) -> Constraint:
+        """The constraint with the matcher its check built (the engine copies it for each output); raises
+        GrammarError (kind and compiler's message) if it does not compile (blocking: call it off the event loop)."""
+        return self.grammar.checked(constraint)
 
     def warmup(self) -> None:
         """Run one tiny generation so the first real request doesn't pay one-time costs (blocking)."""

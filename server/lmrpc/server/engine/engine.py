@@ -21,6 +21,7 @@ from lmrpc.server.engine import hidden_states, media_rows, outputs, routed_exper
 from lmrpc.server.engine.detokenizer import OutputProcessor
 from lmrpc.server.engine.executor import ForwardOutput, HiddenRows, ModelExecutor, PromptLogits
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
+from lmrpc.server.engine.heap import HeapTrimmer
 from lmrpc.server.engine.kv_cache import KVCacheManager
 from lmrpc.server.engine.live import Command, LiveRequest, OutputFlow, Sink, _Abort, _Add, _Stop, apply_backpressure
 from lmrpc.server.engine.outbox import Outbox
@@ -87,6 +88,7 @@ class Engine:
         self.masks = MaskFiller(grammar)  # grammar bitmasks, filled while the model runs
         self.max_buffered_outputs = config.max_buffered_outputs  # backpressure bound per output
         self.load = LoadTracker()  # tokens/s and queue times for GetLoad and ORCA reports
+        self.heap = HeapTrimmer()  # what a burst freed goes back to the OS once the loop idles
         # Read by the watchdog from the event loop: when the loop last came round (time.monotonic()), and what killed
         # the thread, if something did.
         self.heartbeat = time.monotonic()
@@ -120,6 +122,7 @@ class Engine:
                     return
                 if self.scheduler.has_runnable_work:
                     self._guarded_step()
+                    self.heap.busy()
                 self.outbox.flush()
         except BaseException as exc:
             # Not swallowed: the thread ends. The watchdog sees it and fails the calls in flight.
@@ -137,7 +140,9 @@ class Engine:
             try:
                 command = self._inbox.get(timeout=IDLE_TICK)
             except queue.Empty:
+                self.heap.idle()
                 return True
+            self.heap.busy()
         while True:
             if command is None:
                 try:
@@ -258,7 +263,8 @@ class Engine:
         self.scheduler.add(seq)
 
     def _new_matcher(self, constraint: Constraint | None) -> GrammarMatcher | None:
-        # Constraints were compiled once at admission by the service (cached), so this cannot fail on user input.
+        # The service checked the constraint (its matcher rides on it: this copies it), so this cannot fail on user
+        # input; an unchecked one (in-process callers) is checked here, on the grammar's matcher thread.
         return None if constraint is None else self.grammar.new_matcher(constraint)
 
     def abort(self, request_id: str, reason: str) -> None:

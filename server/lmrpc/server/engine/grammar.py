@@ -13,7 +13,8 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, cast
+from dataclasses import replace
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import llguidance
 import llguidance.hf
@@ -25,18 +26,31 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from lmrpc.server.engine.grammar_limits import GrammarError, GrammarLimits, readable, shared_threads
+from lmrpc.server.engine.grammar_limits import (
+    DeepStackThreads,
+    GrammarError,
+    GrammarLimits,
+    readable,
+    shared_threads,
+)
 from lmrpc.server.engine.structural_tag import parse_structural_tag, structural_tag_lark, tag_limit_error
 from lmrpc.server.protocol import Constraint
+
+T = TypeVar("T")
 
 __all__ = ["GrammarBackend", "GrammarError", "GrammarLimits", "GrammarMatcher", "MaskFiller", "PendingMasks",
            "parse_structural_tag"]
 
-_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
-# Checked matchers kept to copy for the engine: a copy takes microseconds, where building one compiles the grammar
-# again (2 s for a 3,000-property schema); built on the engine's path, n such outputs stalled every other request.
-# A large schema's matcher holds up to ~18 MiB, hence few.
+# Compiled grammars kept (least recently used dropped), bounded by count and by the characters of their keys and
+# grammars: a schema at the byte limit translates to a grammar of about its size, so 256 of them could hold 130 MiB.
+_CACHE_SIZE = 256
+_CACHE_CHARS = 16 * 2**20
+# Checked matchers kept so that a repeated constraint (the same schema on every call) is not compiled again for its
+# check: building one compiles the grammar (2 s for a 3,000-property schema). A matcher holds about 65 bytes per
+# character of its grammar (13 MiB for a 200 KB one), so they are bounded by their grammars' characters: 32 MiB
+# of matchers at most. A request carries its own (Constraint.checked), so dropping one here never costs the engine.
 _PROTOTYPES = 16
+_PROTOTYPE_CHARS = 512 * 1024
 # Compiles for checks run on this many deep-stack threads (grammar_limits.py); the engine's matchers on one of their
 # own, so a slow user grammar never holds up the engine loop. Two also bound the cores hostile grammars can take.
 _CHECK_THREADS = 2
@@ -102,8 +116,8 @@ class GrammarBackend:
         self._parser_limits = llguidance.LLParserLimits(verbose_errors=False)
         self._check_threads = shared_threads("lmrpc-grammar-check", _CHECK_THREADS)
         self._matcher_threads = shared_threads("lmrpc-grammar-matcher", 1)
-        self._compiled: OrderedDict[tuple[str, str, bool | None], str] = OrderedDict()
-        self._prototypes: OrderedDict[tuple[str, str, bool | None], llguidance.LLMatcher] = OrderedDict()
+        self._compiled = _Bounded[str](_CACHE_SIZE, _CACHE_CHARS)
+        self._prototypes = _Bounded[llguidance.LLMatcher](_PROTOTYPES, _PROTOTYPE_CHARS)
         self._lock = threading.Lock()  # compile runs on service threads, matchers on the engine thread
         # Tokens llguidance treats as special (never part of free text): a structural tag names them as tokens.
         self._special_tokens = {
@@ -118,13 +132,28 @@ class GrammarBackend:
             grammar, _ = self._check_threads.run(lambda: self._build(constraint))
         return grammar
 
+    def checked(self, constraint: Constraint) -> Constraint:
+        """The constraint with a matcher of its own (`Constraint.checked`) once it compiles; raises GrammarError.
+        A repeated constraint gets the kept matcher; a cached grammar a new matcher (no translation)."""
+        return replace(constraint, checked=self._prototype(constraint, self._check_threads))
+
+    def _prototype(self, constraint: Constraint, threads: DeepStackThreads) -> llguidance.LLMatcher:
+        """The kept matcher of a constraint, else a new one built on `threads` (and kept)."""
+        with self._lock:
+            prototype = self._prototypes.get(_key(constraint))
+        if prototype is not None:
+            return prototype
+        grammar = self._cached(constraint)
+        if grammar is None:
+            return threads.run(lambda: self._build(constraint)[1])
+        return threads.run(lambda: self._matcher(constraint, grammar))
+
     def _cached(self, constraint: Constraint) -> str | None:
         """The cached grammar, or None after checking the limits (a constraint past them never gets further)."""
-        key = (constraint.kind, constraint.text, constraint.json_whitespace_flexible)
         with self._lock:
-            if key in self._compiled:
-                self._compiled.move_to_end(key)
-                return self._compiled[key]
+            grammar = self._compiled.get(_key(constraint))
+        if grammar is not None:
+            return grammar
         error = self._limit_error(constraint)
         if error:
             raise GrammarError(constraint.kind, error)
@@ -156,20 +185,20 @@ class GrammarBackend:
                 raise GrammarError(constraint.kind, _EMPTY_LANGUAGE + hint)
         if matcher.is_error():
             raise GrammarError(constraint.kind, readable(matcher.get_error()))
-        key = (constraint.kind, constraint.text, constraint.json_whitespace_flexible)
+        key, size = _key(constraint), len(grammar)
         with self._lock:
-            self._compiled[key] = grammar
-            if len(self._compiled) > _CACHE_SIZE:
-                self._compiled.popitem(last=False)
-            self._keep_prototype(key, matcher)
+            self._compiled.put(key, grammar, len(constraint.text) + size)
+            self._prototypes.put(key, matcher, size)
         return grammar, matcher
 
-    def _keep_prototype(self, key: tuple[str, str, bool | None], matcher: llguidance.LLMatcher) -> None:
-        """Keep `matcher` (never advanced: only copied) as the constraint's prototype; called under the lock."""
-        self._prototypes[key] = matcher
-        self._prototypes.move_to_end(key)
-        if len(self._prototypes) > _PROTOTYPES:
-            self._prototypes.popitem(last=False)
+    def _matcher(self, constraint: Constraint, grammar: str) -> llguidance.LLMatcher:
+        """A new matcher of a grammar that compiled before (on a deep-stack thread); kept to be reused."""
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, limits=self._parser_limits)
+        if matcher.is_error():
+            raise GrammarError(constraint.kind, readable(matcher.get_error()))
+        with self._lock:
+            self._prototypes.put(_key(constraint), matcher, len(grammar))
+        return matcher
 
     def _translate(self, constraint: Constraint) -> str:
         """The constraint as an (unvalidated) llguidance grammar; its text is within the limits."""
@@ -207,8 +236,9 @@ class GrammarBackend:
             raise GrammarError(kind, readable(str(exc))) from exc
 
     def check(self, constraint: Constraint) -> str | None:
+        """None if the constraint compiles, else why not."""
         try:
-            self.compile(constraint)
+            self.checked(constraint)
         except GrammarError as exc:
             return str(exc)
         return None
@@ -219,30 +249,53 @@ class GrammarBackend:
         return bytes(self._tokenizer.decode_bytes([token_id]))
 
     def new_matcher(self, constraint: Constraint) -> GrammarMatcher:
-        """A fresh matcher (engine thread): a copy of the one the service's check built, else one built on the
-        matcher's own deep-stack thread (and kept to copy)."""
-        key = (constraint.kind, constraint.text, constraint.json_whitespace_flexible)
-        with self._lock:
-            prototype = self._prototypes.get(key)
-            if prototype is not None:
-                self._prototypes.move_to_end(key)
+        """A fresh matcher (engine thread): a copy of the one the service's check built, else (a constraint that
+        never went through a check: in-process callers) one checked on the matcher's own deep-stack thread."""
+        prototype = constraint.checked
         if prototype is None:
-            grammar = self._cached(constraint)
-            if grammar is None:  # evicted since its check (or never checked): compile and check it now
-                prototype = self._matcher_threads.run(lambda: self._build(constraint))[1]
-            else:
-                prototype = self._matcher_threads.run(
-                    lambda: llguidance.LLMatcher(self._tokenizer, grammar, limits=self._parser_limits))
-                if prototype.is_error():
-                    raise GrammarError(constraint.kind, readable(prototype.get_error()))
-                with self._lock:
-                    self._keep_prototype(key, prototype)
+            prototype = self._prototype(constraint, self._matcher_threads)
         return GrammarMatcher(prototype.deep_copy())
 
     def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], out: torch.Tensor) -> None:
         """out [B, ceil(vocab/32)] int32: for each (matcher, i), row i <- its allowed tokens; one parallel call.
         Touches no torch kernel (llguidance writes the rows through the tensor's pointer), so any thread may call it."""
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for m, i in rows], out)
+
+
+def _key(constraint: Constraint) -> tuple[str, str, bool | None]:
+    return constraint.kind, constraint.text, constraint.json_whitespace_flexible
+
+
+class _Bounded(Generic[T]):
+    """A least-recently-used map bounded by its entries and by the sum of their sizes (characters)."""
+
+    def __init__(self, max_entries: int, max_size: int) -> None:
+        self.max_entries, self.max_size = max_entries, max_size
+        self._items: OrderedDict[tuple[str, str, bool | None], tuple[T, int]] = OrderedDict()
+        self._size = 0
+
+    def get(self, key: tuple[str, str, bool | None]) -> T | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        self._items.move_to_end(key)
+        return item[0]
+
+    def put(self, key: tuple[str, str, bool | None], value: T, size: int) -> None:
+        """Keep `value` (nothing larger than the whole bound is kept); drop the least recently used past it."""
+        old = self._items.pop(key, None)
+        if old is not None:
+            self._size -= old[1]
+        if size > self.max_size:
+            return
+        self._items[key] = (value, size)
+        self._size += size
+        while len(self._items) > self.max_entries or self._size > self.max_size:
+            _, (_, dropped) = self._items.popitem(last=False)
+            self._size -= dropped
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class PendingMasks:

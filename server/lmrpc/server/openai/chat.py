@@ -14,7 +14,7 @@ import grpc
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
-from lmrpc.server.frontend import Frontend, attach_media
+from lmrpc.server.frontend import Frontend, attach_media, check_constraint
 from lmrpc.server.media.types import Modality, MultimodalProcessor
 from lmrpc.server.openai import tools
 from lmrpc.server.openai import validation as rules
@@ -81,10 +81,8 @@ async def plan(req: openai_pb2.ChatCompleteRequest, frontend: Frontend, template
         pb.stop.append(tools.CALL_END)  # one call at most: the answer ends with the first call's end tag
     params = validation.resolve_sampling(pb, rules.sampling_names(max_field), info, use_model_defaults, len(prompt),
                                          "", False)
-    if params.constraint is not None and constraint is not None:
-        error = await asyncio.to_thread(engine.check_constraint, params.constraint)
-        if error is not None:
-            raise validation.invalid(constraint.field, error)
+    if constraint is not None:
+        params = await check_constraint(engine, params, constraint.field)
     logprobs = LogprobOptions(top_k=options.logprobs) if options.logprobs is not None else None
     requests = engine_requests(rid, [prompt], [params], options.n, logprobs, adapter, outputs)
     if placed is not None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.frontend import check_constraint
 from lmrpc.server.openai import fim
 from lmrpc.server.openai import validation as rules
 from lmrpc.server.openai.choices import (
@@ -65,12 +66,9 @@ async def plan(req: openai_pb2.CompleteRequest, engine: AsyncEngine, fim_tokens:
                                constraint)
         params.append(validation.resolve_sampling(pb, rules.sampling_names("max_tokens"), info, use_model_defaults,
                                                   len(ids), "", False))
-    if constraint is not None:
-        compiled = params[0].constraint
-        assert compiled is not None
-        error = await asyncio.to_thread(engine.check_constraint, compiled)
-        if error is not None:
-            raise validation.invalid(constraint.field, error)
+    if constraint is not None:  # one check: every prompt's params carry the same constraint
+        checked = await check_constraint(engine, params[0], constraint.field)
+        params = [replace(p, constraint=checked.constraint) for p in params]
     scored = options.logprobs is not None or options.best_of > options.n  # best_of ranks by logprobs
     logprobs = LogprobOptions(start_len=0 if options.echo and options.logprobs is not None else -1,
                               top_k=options.logprobs or 0) if scored else None

@@ -1,0 +1,48 @@
+"""Returning the heap a burst freed to the OS once the engine goes idle.
+
+glibc's malloc keeps freed memory in its arenas for reuse: after a burst (hundreds of outputs of long prompts, a
+large grammar's matchers, a 20 MB request decoded on a gRPC thread) the process stays at that high-water mark,
+and its RSS says more about the largest burst so far than about what it holds. `malloc_trim(0)` gives the free
+pages of every arena back. The engine calls `idle()` on each tick it waits with nothing to do, and `busy()` when it
+works; a trim runs once per idle period, so it never sits between two steps. Where the C library has no
+malloc_trim (musl, macOS), this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+def _malloc_trim() -> Callable[[], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # no C library to load, or one without malloc_trim
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: int(trim(0))
+
+
+class HeapTrimmer:
+    """One trim per idle period of the engine loop (engine thread only)."""
+
+    def __init__(self, trim: Callable[[], int] | None = None, enabled: bool = True) -> None:
+        self._trim = (trim or _malloc_trim()) if enabled else None
+        self._worked = False  # work since the last trim
+        self.trims = 0  # trims run (tests read it)
+
+    def busy(self) -> None:
+        self._worked = True
+
+    def idle(self) -> None:
+        if self._worked and self._trim is not None:
+            self._worked = False
+            self._trim()
+            self.trims += 1
