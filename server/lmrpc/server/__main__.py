@@ -95,6 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="log lines as text or one JSON object each; either way, every finished output gets a "
                         "line on logger lmrpc.server.requests (tokens, timings, finish reason, gRPC status) (text)")
+    p.add_argument("--sglang-worker", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve SMG's worker service (sglang.grpc.scheduler.SglangScheduler) beside lmrpc.v1 on the "
+                        "same port, so the SGLang model gateway can route to this server: smg launch --worker-urls "
+                        "grpc://HOST:PORT (default: on)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port (default: off). "
                         "Traces: set the standard OTEL_* variables (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)")
@@ -273,6 +277,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                             stalled_stream_timeout=args.stalled_stream_timeout,
                             max_queued_per_client=args.max_queued_per_client,
                             engine_stall_timeout=args.engine_stall_timeout, media=media_config(args),
+                            sglang_worker=args.sglang_worker,
                             limits=RequestLimits(max_logit_bias=args.max_logit_bias, max_stop=args.max_stop,
                                                  max_stop_chars=args.max_stop_chars,
                                                  max_logprob_token_ids=args.max_logprob_token_ids))

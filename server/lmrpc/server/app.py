@@ -1,5 +1,6 @@
-"""Builds and runs the gRPC server: GenerateService and OpenAIService over one engine, grpc.health.v1, reflection,
-authentication, the engine watchdog, and the graceful drain."""
+"""Builds and runs the gRPC server: GenerateService, OpenAIService and (unless --no-sglang-worker) SMG's worker service
+SglangScheduler over one engine, grpc.health.v1, reflection, authentication, the engine watchdog, and the graceful
+drain."""
 
 from __future__ import annotations
 
@@ -12,25 +13,28 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto import sglang_scheduler_pb2_grpc as sgl_grpc
 
 from lmrpc.server.auth import AuthInterceptor
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.metrics import Metrics, MetricsServer
+from lmrpc.server.models.loader import cache_root
 from lmrpc.server.openai.service import OpenAIService
 from lmrpc.server.service import GenerateService
+from lmrpc.server.sglang.service import SERVICE_NAME as SGLANG_SERVICE_NAME
+from lmrpc.server.sglang.service import SglangWorkerService
 from lmrpc.server.telemetry import Tracing, configure_tracing
 from lmrpc.server.transport import add_port, server_options
 from lmrpc.server.watchdog import Watchdog
-from lmrpc.server.wire import WireInterceptor
+from lmrpc.server.wire import LMRPC_SERVICE_PREFIX, WireInterceptor
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc, openai_pb2, openai_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 OPENAI_SERVICE_NAME = openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name
-SERVICES = (SERVICE_NAME, OPENAI_SERVICE_NAME)  # readiness: what health reports on per service
-SERVICE_NAMES = ("", *SERVICES)  # and "" (the whole server: liveness)
+SERVICES = (SERVICE_NAME, OPENAI_SERVICE_NAME)  # readiness: what health reports on per service (lmrpc's own)
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -44,6 +48,7 @@ class App:
     frontend: Frontend  # the engine's front, shared by both services
     metrics: Metrics | None  # None unless --metrics-port
     tracing: Tracing | None  # None unless OTEL_* ask for traces
+    services: tuple[str, ...] = SERVICES  # what health reports on per service: lmrpc's, and SMG's worker service
     watchdog: Watchdog | None = None  # set by attach()
     _watch_task: asyncio.Task[None] | None = None  # runs the watchdog
 
@@ -57,35 +62,41 @@ class App:
         if server_config.api_keys is not None:
             interceptors.append(AuthInterceptor(server_config.api_keys))  # first: nothing runs for a stranger
         interceptors.append(WireInterceptor(report=frontend.report_load,
-                                            stall_timeout=server_config.stalled_stream_timeout))
+                                            stall_timeout=server_config.stalled_stream_timeout,
+                                            services=(LMRPC_SERVICE_PREFIX, SGLANG_SERVICE_NAME + "/")))
         if tracing is not None:
             interceptors.extend(tracing.interceptors)
         server = grpc.aio.server(options=server_options(server_config.transport), interceptors=interceptors)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        for name in SERVICE_NAMES:
+        services = (*SERVICES, SGLANG_SERVICE_NAME) if server_config.sglang_worker else SERVICES
+        for name in ("", *services):  # "": the whole server (liveness)
             await health_servicer.set(name, NOT_SERVING)
-        reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         # grpc.aio takes no servicer after start, so the services are registered now and get their engine once loaded.
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateService(frontend), server)
         openai_service = OpenAIService(frontend, server_config.chat_template)
         openai_pb2_grpc.add_OpenAIServiceServicer_to_server(openai_service, server)
+        if server_config.sglang_worker:
+            # SMG's worker contract beside lmrpc.v1: the gateway loads the tokenizer directory written under the cache
+            sglang = SglangWorkerService(frontend, cache_root(engine_config.model), server_config.chat_template)
+            sgl_grpc.add_SglangSchedulerServicer_to_server(sglang, server)
         port = add_port(server, f"{server_config.host}:{server_config.port}", server_config.transport)
         await server.start()
-        return cls(server, port, health_servicer, frontend, metrics, tracing)
+        return cls(server, port, health_servicer, frontend, metrics, tracing, services)
 
     async def attach(self, engine: AsyncEngine) -> None:
         """Serve `engine`: health SERVING, and the watchdog on it."""
         self.frontend.attach(engine)
         if self.metrics is not None:
             self.metrics.attach(engine.stats)
-        for name in SERVICE_NAMES:
+        for name in ("", *self.services):
             await self.health.set(name, SERVING)
         self.watchdog = Watchdog(engine, self._set_health, self.frontend.server_config.engine_stall_timeout)
         self._watch_task = asyncio.create_task(self.watchdog.run(), name="lmrpc-watchdog")
 
     async def _set_health(self, services: bool, liveness: bool) -> None:
-        for name in SERVICES:
+        for name in self.services:
             await self.health.set(name, SERVING if services else NOT_SERVING)
         await self.health.set("", SERVING if liveness else NOT_SERVING)
 

@@ -274,6 +274,9 @@ class ServerConfig:
     engine_stall_timeout: float = 60.0
     media: MediaConfig = field(default_factory=MediaConfig)  # media items' sources and limits
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
+    # Serve SMG's worker service (sglang.grpc.scheduler.SglangScheduler) on the same port, so the SGLang model
+    # gateway can route to this server (server/lmrpc/server/sglang/)
+    sglang_worker: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -63,6 +63,11 @@ class Frontend:
         self._engine = engine
 
     @property
+    def loaded(self) -> bool:
+        """The model is loaded and the engine attached."""
+        return self._engine is not None
+
+    @property
     def engine(self) -> AsyncEngine:
         assert self._engine is not None, "checked by check_loaded"
         return self._engine

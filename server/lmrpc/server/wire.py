@@ -223,18 +223,21 @@ Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandl
 
 
 class WireInterceptor(grpc.aio.ServerInterceptor):
-    """Lenient request decoding for every service; on lmrpc's services, `report` (setting the ORCA trailer) and
-    streams written with `stall_timeout`."""
+    """Lenient request decoding for every service; on the engine's services (method names starting with one of
+    `services`: lmrpc's, and SMG's worker service), `report` (setting the ORCA trailer) and streams written with
+    `stall_timeout`."""
 
-    def __init__(self, report: Before | None = None, stall_timeout: float | None = None) -> None:
+    def __init__(self, report: Before | None = None, stall_timeout: float | None = None,
+                 services: tuple[str, ...] = (LMRPC_SERVICE_PREFIX,)) -> None:
         self._report = report
         self._stall_timeout = stall_timeout
+        self._services = services
 
     async def intercept_service(self, continuation: Continuation,
                                 handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        if handler_call_details.method.lstrip("/").startswith(LMRPC_SERVICE_PREFIX):
+        if handler_call_details.method.lstrip("/").startswith(self._services):
             return wrap(handler, self._report, self._stall_timeout)
         return wrap(handler)
