@@ -58,7 +58,7 @@ Run = Callable[[list[list[int]]], Figures]
 
 def lmrpc_worker(args: argparse.Namespace, dtype: str) -> Run:
     from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from lmrpc.server.engine.engine import AsyncEngine
+    from lmrpc.server.engine.async_engine import AsyncEngine
     from lmrpc.server.protocol import EngineRequest, SamplingParams
 
     engine = AsyncEngine.start(EngineConfig(

@@ -20,6 +20,7 @@ import grpc
 from lmrpc.server.config import EngineConfig, LoraConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
+from lmrpc.server.generate.service import GenerateService
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.lora.registry import LoraRegistry
 from lmrpc.server.metrics import Metrics
@@ -32,7 +33,6 @@ from lmrpc.server.protocol import (
     ModelInfo,
     Usage,
 )
-from lmrpc.server.service import GenerateService
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 HANG = 7  # first prompt token that makes an output hang after its first token

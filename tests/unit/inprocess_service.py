@@ -11,8 +11,8 @@ import grpc
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
+from lmrpc.server.generate.service import GenerateService
 from lmrpc.server.openai.service import OpenAIService
-from lmrpc.server.service import GenerateService
 from lmrpc.v1 import generate_pb2_grpc, openai_pb2_grpc
 
 Stubs = tuple[generate_pb2_grpc.GenerateServiceStub, openai_pb2_grpc.OpenAIServiceStub]

@@ -32,11 +32,11 @@ from lmrpc.server.config import CacheConfig, EngineConfig, LoraConfig, ModelConf
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import ScheduledBatch
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
-from lmrpc.server.lora.products import RowGroup
 from lmrpc.server.lora.registry import LoadedAdapter, LoraRegistry
 from lmrpc.server.models import ForwardContext
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.loader import load_model
+from lmrpc.server.models.lora_delta import RowGroup
 from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 
 PAGE = 16

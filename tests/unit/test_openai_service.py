@@ -34,7 +34,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 def engine(smollm2_tokenizer: PreTrainedTokenizerBase) -> ScriptedEngine:
     def script(request: EngineRequest) -> Scripted:
         prompt = smollm2_tokenizer.decode(list(request.prompt_ids))
-        candidate = int(request.request_id.rsplit(".", 1)[1])
+        candidate = request.index % request.params.n  # its number among its prompt's candidates
         if "WEATHER" in prompt:
             return Scripted("Let me look that up.\n" + CALL)
         if "BEST" in prompt:

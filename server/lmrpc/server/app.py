@@ -19,10 +19,10 @@ from lmrpc.server.auth import AuthInterceptor
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
+from lmrpc.server.generate.service import GenerateService
 from lmrpc.server.metrics import Metrics, MetricsServer
 from lmrpc.server.models.loader import cache_root
 from lmrpc.server.openai.service import OpenAIService
-from lmrpc.server.service import GenerateService
 from lmrpc.server.sglang.service import SERVICE_NAME as SGLANG_SERVICE_NAME
 from lmrpc.server.sglang.service import SglangWorkerService
 from lmrpc.server.telemetry import Tracing, configure_tracing

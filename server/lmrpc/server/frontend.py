@@ -25,16 +25,11 @@ from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.media import ingest
 from lmrpc.server.media.types import MediaError, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.metrics import Metrics
-from lmrpc.server.protocol import EngineRequest, PromptMedia, SamplingParams
+from lmrpc.server.protocol import EngineRequest, SamplingParams
 from lmrpc.server.telemetry import CallObserver
 
 T = TypeVar("T")
 LOAD_REFRESH = 0.5  # seconds a load reading is reused for ORCA reports (a burst of calls reads it once)
-
-
-def attach_media(request: EngineRequest, engine_media: PromptMedia | None) -> EngineRequest:
-    """`request` carrying its prompt's media for the engine (MultimodalPrompt.engine_media; None: none)."""
-    return request if engine_media is None else replace(request, prompt_media=engine_media)
 
 
 class Frontend:

@@ -12,14 +12,14 @@ RMSNorm, or SiLU-and-multiply) fused into the A product and the base output adde
 - rows are grouped by adapter: one A product and a B product per targeted module per adapter, fused projection
   and layer, never a loop over tokens.
 
-`add_delta` is the Python loop's way (models/llama.py's DecoderLayer). The native decoder stack does the same with
-the same kernels in the same order, reading and writing the group's rows where they lie (`native_adapter` gives it
-an adapter's products), so a step gives the same bits on either path.
+What a step applies (`LayerLora`, `RowGroup`, `add_delta`: the Python loop's way, models/llama.py's DecoderLayer)
+lives with the models in models/lora_delta.py, so models never import this package. The native decoder stack does
+the same with the same kernels in the same order, reading and writing the group's rows where they lie
+(`native_adapter` gives it an adapter's products), so a step gives the same bits on either path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -27,43 +27,8 @@ import torch
 from lmrpc.kernels import native, packing
 from lmrpc.server.lora.adapter import AdapterFile
 from lmrpc.server.models.linear import DenseLinear, LinearLayer
+from lmrpc.server.models.lora_delta import FUSED, LayerLora, LowRank, ModuleB
 from lmrpc.server.models.quantized import LinearBuilder, NativeLinear
-
-# The fused projections and the PEFT modules each one holds, in output order.
-FUSED: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-
-
-@dataclass(frozen=True)
-class ModuleB:
-    """One targeted module's B product within a fused projection's delta."""
-
-    b: LinearLayer  # [rank] -> [the module's out] (scale folded in)
-    rank_start: int  # its rank columns of the A product's output start here
-    out_start: int  # its output columns of the fused projection start here
-
-
-@dataclass(frozen=True)
-class LowRank:
-    """The delta of one fused projection: x -> h = a(x), then each module's b over its columns of h, added to its
-    slice of the output."""
-
-    a: LinearLayer  # [in] -> [sum of ranks]
-    parts: tuple[ModuleB, ...]  # in output order
-
-
-@dataclass(frozen=True)
-class LayerLora:
-    """One decoder layer's deltas; None where the adapter does not touch that projection."""
-
-    qkv: LowRank | None
-    o: LowRank | None
-    gate_up: LowRank | None
-    down: LowRank | None
 
 
 def dense_layer(builder: LinearBuilder, weight: torch.Tensor) -> LinearLayer:
@@ -120,30 +85,3 @@ def native_adapter(layers: tuple[LayerLora, ...]) -> object | None:
                                         for p in low.parts]))
         per_layer.append(products)
     return native.load().StackAdapter(per_layer)
-
-
-@dataclass(frozen=True)
-class RowGroup:
-    """The rows of one step that run under one adapter."""
-
-    rows: torch.Tensor  # [n] int64 indices into the step's flat token rows, ascending
-    layers: tuple[LayerLora, ...]  # the adapter's per-layer deltas
-    stack: object | None = None  # native_adapter(layers), when the native decoder stack may run them
-
-
-def add_delta(out: torch.Tensor, x: torch.Tensor, groups: tuple[RowGroup, ...], layer: int, projection: str,
-              norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False) -> torch.Tensor:
-    """out [T, out] (the base projection, residual included) += each group's delta on its own rows, computed from
-    x [T, in] with the base product's prologue (norm or silu). Rows of no group are left as they are."""
-    for group in groups:
-        low: LowRank | None = getattr(group.layers[layer], projection)
-        if low is None:
-            continue
-        h = low.a(x.index_select(0, group.rows), norm=norm, eps=eps, silu=silu)  # [n, ranks]
-        rows = out.index_select(0, group.rows)  # [n, out]
-        for part in low.parts:
-            width, rank = part.b.out_features, part.b.in_features
-            columns = rows[:, part.out_start : part.out_start + width]  # [n, width], a view
-            columns.copy_(part.b(h[:, part.rank_start : part.rank_start + rank], residual=columns))
-        out.index_copy_(0, group.rows, rows)
-    return out

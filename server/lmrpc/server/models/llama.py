@@ -20,9 +20,9 @@ from lmrpc.kernels import native
 from lmrpc.kernels.attention import select_backend
 from lmrpc.kernels.native_attention import NativeAttention
 from lmrpc.kernels.paged import AttentionBackend, AttentionShape, QKNorm, Rope
-from lmrpc.server.lora.products import RowGroup, add_delta
 from lmrpc.server.models import ForwardContext, register
 from lmrpc.server.models.linear import LinearLayer
+from lmrpc.server.models.lora_delta import RowGroup, add_delta
 from lmrpc.server.models.quantized import LinearBuilder, NativeLinear
 from lmrpc.server.models.weights import WeightSource, stack_rows
 

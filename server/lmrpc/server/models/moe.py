@@ -22,10 +22,10 @@ import torch
 from transformers import PretrainedConfig
 
 from lmrpc.kernels.paged import QKNorm
-from lmrpc.server.lora.products import RowGroup
 from lmrpc.server.models import ForwardContext, register
 from lmrpc.server.models.linear import LinearLayer
 from lmrpc.server.models.llama import Layer, LlamaForCausalLM
+from lmrpc.server.models.lora_delta import RowGroup
 from lmrpc.server.models.quantized import LinearBuilder
 from lmrpc.server.models.weights import WeightSource, stack_rows
 from lmrpc.server.protocol import ExpertsInfo

@@ -14,7 +14,7 @@ import grpc
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
-from lmrpc.server.frontend import Frontend, attach_media, check_constraint
+from lmrpc.server.frontend import Frontend, check_constraint
 from lmrpc.server.media.types import Modality, MultimodalProcessor
 from lmrpc.server.openai import tools
 from lmrpc.server.openai import validation as rules
@@ -84,9 +84,8 @@ async def plan(req: openai_pb2.ChatCompleteRequest, frontend: Frontend, template
     if constraint is not None:
         params = await check_constraint(engine, params, constraint.field)
     logprobs = LogprobOptions(top_k=options.logprobs) if options.logprobs is not None else None
-    requests = engine_requests(rid, [prompt], [params], options.n, logprobs, adapter, outputs)
-    if placed is not None:
-        requests = [attach_media(r, placed.engine_media) for r in requests]
+    requests = engine_requests(rid, [prompt], [params], options.n, logprobs, adapter, outputs,
+                               placed.engine_media if placed is not None else None)
     model = req.model if adapter else info.served_model_name  # "base:adapter" is answered as asked
     return ChatPlan(id=f"chatcmpl-{rid}", created=int(time.time()), model=model, options=options,
                     prompt=prompt, requests=tuple(requests))

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from lmrpc.server.openai.validation import ModelOutputs
+from lmrpc.server.pipeline import fanout
+from lmrpc.server.pipeline.fanout import PromptPlan
+from lmrpc.server.pipeline.gather import Gathered
 from lmrpc.server.protocol import (
     AdapterRef,
     EngineOutput,
@@ -16,11 +19,11 @@ from lmrpc.server.protocol import (
     Finish,
     FinishReason,
     LogprobOptions,
-    PositionLogprobs,
+    PromptMedia,
     RoutedExperts,
     SamplingParams,
 )
-from lmrpc.server.service import hidden_pb, routed_pb
+from lmrpc.server.protos import hidden_pb, routed_pb
 from lmrpc.v1 import openai_pb2
 
 _STOP_REASONS = (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING, FinishReason.STOP_REGEX,
@@ -38,58 +41,33 @@ class EngineFailure(Exception):
 
 def engine_requests(rid: str, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], candidates: int,
                     logprobs: LogprobOptions | None, adapter: AdapterRef | None = None,
-                    outputs: ModelOutputs | None = None) -> list[EngineRequest]:
-    """`candidates` outputs per prompt, prompt-major; candidate i is seeded seed + i (seeded samples must differ),
-    and candidates 1.. reuse candidate 0's prompt pages (prefill shared through the prefix cache)."""
-    hidden = outputs.hidden_states if outputs is not None else None
-    routed_from = outputs.routed_experts_from if outputs is not None else None
-    out = []
-    for p, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
-        for c in range(candidates):
-            seed = None if prompt_params.seed is None else prompt_params.seed + c
-            out.append(EngineRequest(
-                request_id=f"{rid}/{p}.{c}", rid=rid, index=p * candidates + c, prompt_ids=tuple(prompt),
-                params=replace(prompt_params, seed=seed, n=candidates), logprobs=logprobs,
-                share_prefill_with=None if c == 0 else f"{rid}/{p}.0", adapter=adapter,
-                hidden_states=hidden, routed_experts_from=routed_from,
-            ))
-    return out
+                    outputs: ModelOutputs | None = None, media: PromptMedia | None = None) -> list[EngineRequest]:
+    """`candidates` outputs per prompt, prompt-major (pipeline/fanout.py): prompt p's are "rid/p/c" ("rid/p" for
+    one), all under the call's rid."""
+    plans = [PromptPlan(request_id=f"{rid}/{p}", rid=rid, prompt_ids=tuple(prompt), params=prompt_params,
+                        samples=candidates, logprobs=logprobs, adapter=adapter, prompt_media=media,
+                        hidden_states=outputs.hidden_states if outputs is not None else None,
+                        routed_experts_from=outputs.routed_experts_from if outputs is not None else None)
+             for p, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))]
+    return fanout.engine_requests(plans)
 
 
 @dataclass
-class Candidate:
-    """One engine output gathered so far."""
+class Candidate(Gathered):
+    """One engine output gathered so far (pipeline/gather.py), and where it stands in the call."""
 
-    request: EngineRequest  # what was asked
-    prompt: int  # the prompt's index in the call
-    number: int  # the candidate's index among its prompt's
-    token_ids: list[int] = field(default_factory=list)  # generated ids, in order
-    text: list[str] = field(default_factory=list)  # text pieces, in order
-    output_logprobs: list[PositionLogprobs] = field(default_factory=list)  # one per generated token, when asked
-    input_logprobs: list[PositionLogprobs] = field(default_factory=list)  # the prompt's, when asked
-    hidden_states: list[bytes] = field(default_factory=list)  # hidden-state rows in position order, when asked
-    routed: list[RoutedExperts] = field(default_factory=list)  # routed-expert pieces in position order, when asked
-    finish: Finish | None = None  # set once finished
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once finished)
+    request: EngineRequest = field(kw_only=True)  # what was asked
+    prompt: int = field(kw_only=True)  # the prompt's index in the call
+    number: int = field(kw_only=True)  # the candidate's index among its prompt's
 
     @classmethod
     def of(cls, request: EngineRequest, candidates: int) -> Candidate:
-        return cls(request, request.index // candidates, request.index % candidates)
+        return cls(request=request, prompt=request.index // candidates, number=request.index % candidates)
 
     def add(self, out: EngineOutput) -> None:
         if out.finish is not None and out.finish.reason is FinishReason.ERROR:
             raise EngineFailure(out.finish.message or "the engine failed this request", out.finish.request_fault)
-        self.token_ids.extend(out.token_ids)
-        self.text.append(out.text)
-        self.output_logprobs.extend(out.output_logprobs)
-        self.input_logprobs.extend(out.input_logprobs)
-        self.hidden_states.extend(out.hidden_states)
-        if out.routed_experts is not None:
-            self.routed.append(out.routed_experts)
-        if out.finish is not None:
-            self.finish = out.finish
-        if out.usage is not None:
-            self.cached_tokens = out.usage.cached_tokens
+        super().add(out)
 
     @property
     def mean_logprob(self) -> float:

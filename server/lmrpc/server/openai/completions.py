@@ -192,7 +192,7 @@ class CompletionStream:
         for p in sorted(by_prompt):
             for rank, candidate in enumerate(best(sorted(by_prompt[p], key=lambda c: c.number), options.n)):
                 choice = openai_pb2.CompletionChoice(
-                    index=p * options.n + rank, text=self.plan.echo_texts[p] + "".join(candidate.text))
+                    index=p * options.n + rank, text=self.plan.echo_texts[p] + candidate.text)
                 if options.logprobs is not None:
                     self._write_logprobs(candidate, candidate.input_logprobs if options.echo else (),
                                          candidate.output_logprobs, candidate.token_ids, True, choice.logprobs)

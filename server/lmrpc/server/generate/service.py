@@ -1,99 +1,30 @@
-"""The grpc.aio servicer: protobuf <-> domain (media items placed in their prompts through the frontend), streaming
-or merged outputs, cancel/deadline -> engine abort."""
+"""The GenerateService servicer: its requests translated into the pipeline's prompt plans (media items placed in
+their prompts through the frontend), outputs streamed or merged (pipeline/), cancel/deadline -> engine abort."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field, replace
 
 import grpc
-import numpy as np
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
-from lmrpc.server.frontend import Frontend, attach_media, check_constraint
+from lmrpc.server.frontend import Frontend, check_constraint
 from lmrpc.server.lora.errors import MAX_NAME_CHARS, AdapterError
-from lmrpc.server.lora.registry import AdapterInfo, LoadedAdapter
+from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.media import ingest
-from lmrpc.server.protocol import (
-    EngineOutput,
-    EngineRequest,
-    ExpertsInfo,
-    LogprobOptions,
-    PositionLogprobs,
-    PromptEmbeddings,
-    RoutedExperts,
-    TokenLogprob,
-)
+from lmrpc.server.pipeline.fanout import PromptPlan, engine_requests
+from lmrpc.server.pipeline.gather import Gathered
+from lmrpc.server.protocol import EngineRequest, LogprobOptions, PromptEmbeddings
+from lmrpc.server.protos import adapter_pb, hidden_pb, position_pb, routed_pb, set_finish
 from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 EMBEDDING_PLACEHOLDER_ID = 0  # the token id standing for each position of an embeddings prompt (never read)
-
-
-@dataclass
-class _Merged:
-    """One output index accumulated for a non-streamed response."""
-
-    index: int  # output index
-    rid: str  # user-facing request id
-    text: list[str] = field(default_factory=list)  # text pieces in order
-    token_ids: list[int] = field(default_factory=list)  # token ids in order
-    output_logprobs: list[PositionLogprobs] = field(default_factory=list)  # per output token
-    input_logprobs: list[PositionLogprobs] = field(default_factory=list)  # prompt logprobs
-    hidden_states: list[bytes] = field(default_factory=list)  # hidden-state rows in position order
-    routed: list[RoutedExperts] = field(default_factory=list)  # routed-expert pieces in position order
-
-
-def _token_pb(t: TokenLogprob) -> generate_pb2.TokenLogprob:
-    pb = generate_pb2.TokenLogprob(token_id=t.token_id, text=t.text or "")
-    if t.logprob is not None:
-        pb.logprob = t.logprob
-    return pb
-
-
-def _position_pb(p: PositionLogprobs) -> generate_pb2.PositionLogprobs:
-    return generate_pb2.PositionLogprobs(
-        chosen=_token_pb(p.chosen), top=[_token_pb(t) for t in p.top], requested=[_token_pb(t) for t in p.requested]
-    )
-
-
-def hidden_pb(rows: tuple[bytes, ...] | list[bytes]) -> list[generate_pb2.Embedding]:
-    """float32 little-endian rows -> Embedding messages (the values as sent: float32 on the wire too)."""
-    return [generate_pb2.Embedding(values=np.frombuffer(r, dtype="<f4").tolist()) for r in rows]
-
-
-def routed_pb(pieces: list[RoutedExperts], info: ExpertsInfo | None) -> generate_pb2.RoutedExperts | None:
-    """Consecutive pieces -> one RoutedExperts message [positions, moe layers, top_k] (None: no pieces)."""
-    if not pieces or info is None:
-        return None
-    rows = sum(p.num_positions for p in pieces)
-    return generate_pb2.RoutedExperts(data=b"".join(p.data for p in pieces), shape=[rows, info.num_layers, info.top_k],
-                                      start_position=pieces[0].start_position)
-
-
-def _finish_fields(out: EngineOutput, msg: generate_pb2.GenerateResponse) -> None:
-    if out.finish is not None:
-        f = out.finish
-        msg.finish.reason = f.reason.value  # type: ignore[assignment]
-        msg.finish.message = f.message
-        if f.matched_token_id is not None:
-            msg.finish.matched_token_id = f.matched_token_id
-        elif f.matched_text is not None:
-            msg.finish.matched_text = f.matched_text
-    if out.usage is not None:
-        u = out.usage
-        msg.usage.CopyFrom(generate_pb2.Usage(
-            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens))
-
-
-def _adapter_pb(a: AdapterInfo) -> generate_pb2.LoraAdapter:
-    return generate_pb2.LoraAdapter(name=a.name, path=a.path, rank=a.rank, scale=a.scale,
-                                    target_modules=a.target_modules, in_use=a.in_use)
 
 
 class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
@@ -139,7 +70,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 top_k=req.top_logprobs_num, token_ids=tuple(req.token_ids_logprob),
                 with_text=req.return_text_in_logprobs,
             )
-        out: list[EngineRequest] = []
+        plans: list[PromptPlan] = []
         use_model = self.frontend.engine_config.sampling_defaults == "model"
         for i, (prompt, rid, adapter) in enumerate(zip(prompts, rids, adapters, strict=True)):
             validation.check_prompt(prompt, i, info, req)
@@ -161,18 +92,12 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             if params.constraint is not None:
                 params = await check_constraint(self.engine, params, f"{name}.{params.constraint.kind}")
             mm = placed[i]
-            for s in range(params.n):
-                request_id = rid if params.n == 1 else f"{rid}/{s}"
-                seed = None if params.seed is None else params.seed + s  # n seeded samples must differ
-                request = EngineRequest(
-                    request_id=request_id, rid=rid, index=i * params.n + s, prompt_ids=tuple(prompt),
-                    params=replace(params, seed=seed), logprobs=logprobs,
-                    share_prefill_with=None if s == 0 else f"{rid}/0", adapter=adapter,
-                    prompt_embeds=embeds[i],
-                    hidden_states=hidden, routed_experts_from=routed_from,
-                )
-                out.append(request if mm is None else attach_media(request, mm.engine_media))
-        return out
+            plans.append(PromptPlan(
+                request_id=rid, rid=rid, prompt_ids=tuple(prompt), params=params, samples=params.n,
+                logprobs=logprobs, adapter=adapter, prompt_embeds=embeds[i],
+                prompt_media=mm.engine_media if mm is not None else None, hidden_states=hidden,
+                routed_experts_from=routed_from))
+        return engine_requests(plans)
 
     async def _adapter(self, ref: str, index: int) -> LoadedAdapter | None:
         """Prompt `index`'s LoRA adapter ("" : the base model), loaded from under --lora-root if need be."""
@@ -212,38 +137,32 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
             await context.send_initial_metadata((("x-request-id", default_rid),))
         by_id = {r.request_id: r for r in engine_requests}
         experts = self.engine.model_info.experts
-        merged = {r.request_id: _Merged(r.index, r.rid) for r in engine_requests}
+        merged = {r.request_id: Gathered() for r in engine_requests}
         async for out in self.engine.generate(engine_requests):
             call.output(out)
             req = by_id[out.request_id]
             if request.stream:
                 msg = generate_pb2.GenerateResponse(
                     index=req.index, rid=req.rid, text=out.text, token_ids=out.token_ids,
-                    output_logprobs=[_position_pb(p) for p in out.output_logprobs],
-                    input_logprobs=[_position_pb(p) for p in out.input_logprobs],
+                    output_logprobs=[position_pb(p) for p in out.output_logprobs],
+                    input_logprobs=[position_pb(p) for p in out.input_logprobs],
                     hidden_states=hidden_pb(out.hidden_states),
                     routed_experts=routed_pb([out.routed_experts] if out.routed_experts else [], experts),
                 )
-                _finish_fields(out, msg)
+                set_finish(msg, out.finish, out.usage)
                 yield msg
                 continue
             m = merged[out.request_id]
-            m.text.append(out.text)
-            m.token_ids.extend(out.token_ids)
-            m.output_logprobs.extend(out.output_logprobs)
-            m.input_logprobs.extend(out.input_logprobs)
-            m.hidden_states.extend(out.hidden_states)
-            if out.routed_experts is not None:
-                m.routed.append(out.routed_experts)
+            m.add(out)
             if out.finish is not None:
                 msg = generate_pb2.GenerateResponse(
-                    index=m.index, rid=m.rid, text="".join(m.text), token_ids=m.token_ids,
-                    output_logprobs=[_position_pb(p) for p in m.output_logprobs],
-                    input_logprobs=[_position_pb(p) for p in m.input_logprobs],
+                    index=req.index, rid=req.rid, text=m.text, token_ids=m.token_ids,
+                    output_logprobs=[position_pb(p) for p in m.output_logprobs],
+                    input_logprobs=[position_pb(p) for p in m.input_logprobs],
                     hidden_states=hidden_pb(m.hidden_states),
                     routed_experts=routed_pb(m.routed, experts),
                 )
-                _finish_fields(out, msg)
+                set_finish(msg, m.finish, m.usage)
                 yield msg
 
     async def Abort(
@@ -286,7 +205,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 spaces_between_special_tokens=True, no_stop_trim=False,
             ),
             architecture=info.architecture, dtype=info.dtype, device=info.device, quantization=info.quantization,
-            weight_formats=info.weight_formats, lora_adapters=[_adapter_pb(a) for a in self.engine.lora.list()],
+            weight_formats=info.weight_formats, lora_adapters=[adapter_pb(a) for a in self.engine.lora.list()],
             hidden_size=info.hidden_size,
             accepts_input_embeds=info.accepts_embeddings,
             experts=None if info.experts is None else generate_pb2.ExpertsInfo(
@@ -335,7 +254,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         except AdapterError as exc:
             await context.abort_with_status(validation.to_status(validation.adapter_error(exc, exc.field or "path")))
         info = next((a for a in self.engine.lora.list() if a.name == adapter.name), None)
-        return generate_pb2.LoadLoraAdapterResponse(adapter=_adapter_pb(info) if info is not None else None)
+        return generate_pb2.LoadLoraAdapterResponse(adapter=adapter_pb(info) if info is not None else None)
 
     async def UnloadLoraAdapter(
         self, request: generate_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
@@ -351,7 +270,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         self, request: generate_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.ListLoraAdaptersResponse:
         await self.frontend.check_loaded(context)
-        return generate_pb2.ListLoraAdaptersResponse(adapters=[_adapter_pb(a) for a in self.engine.lora.list()])
+        return generate_pb2.ListLoraAdaptersResponse(adapters=[adapter_pb(a) for a in self.engine.lora.list()])
 
     async def Tokenize(
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
