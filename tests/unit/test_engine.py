@@ -1,6 +1,6 @@
 """The engine loop on a tiny random-weight Llama: batching never changes a greedy or seeded output, cancels and
 aborts never leak pages, a tiny pool completes everything through preemption, and the prefix cache reports the
-semantics.md figures."""
+figures of docs/semantics.md "Prefix cache"."""
 
 from __future__ import annotations
 

@@ -121,3 +121,45 @@ def test_a_few_short_violations_are_sent_whole() -> None:
         validation.Violation("top_p", "must be in (0, 1], got 2.0"), validation.Violation("n", "must be >= 1")])
     status = validation.to_status(error)
     assert status.details == "top_p: must be in (0, 1], got 2.0; n: must be >= 1"
+
+
+def test_repetition_penalty_zero_is_refused_not_divided_by() -> None:
+    from scripted_engine import INFO  # a model without generation defaults
+
+    def resolve(value: float) -> object:
+        pb = generate_pb2.SamplingParams(repetition_penalty=value)
+        return validation.resolve_sampling(pb, "sampling_params", INFO, False, 4, "", False)
+
+    with pytest.raises(validation.RequestError) as info:
+        resolve(0.0)
+    [violation] = info.value.violations
+    assert violation.field == "sampling_params.repetition_penalty" and "(0, 2]" in violation.description
+    assert resolve(2.0).repetition_penalty == 2.0  # type: ignore[attr-defined]
+
+
+def test_a_models_unusable_sampling_defaults_are_mapped_or_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    from lmrpc.server.models.loader import usable_sampling_defaults
+
+    found = {"top_k": 0.0, "top_p": 0.0, "temperature": 0.7, "repetition_penalty": 0.0, "min_p": 0.05}
+    # top_k 0 is Hugging Face's "off"; top_p 0 and repetition_penalty 0 no request may set: the server's own apply
+    assert usable_sampling_defaults(found, "generation_config.json") == {"top_k": -1.0, "temperature": 0.7,
+                                                                         "min_p": 0.05}
+    assert "ignoring top_p = 0.0" in caplog.text and "ignoring repetition_penalty = 0.0" in caplog.text
+
+
+def test_stop_regex_is_compiled_once_at_validation_and_reused_by_every_output(smollm2_tokenizer: object) -> None:
+    from scripted_engine import INFO
+
+    from lmrpc.server.engine.detokenizer import OutputProcessor
+
+    pb = generate_pb2.SamplingParams(stop_regex=[r"\d+ dollars", "(?i)done"], n=3)
+    params = validation.resolve_sampling(pb, "sampling_params", INFO, False, 4, "", False)
+    assert [p.pattern for p in params.stop_patterns] == [r"\d+ dollars", "(?i)done"]
+    # each output's processor (the engine thread) takes the compiled patterns: nothing is compiled there
+    processors = [OutputProcessor(smollm2_tokenizer, [1, 2], params, (2,)) for _ in range(params.n)]  # type: ignore[arg-type]
+    assert all(p.regexes is params.stop_patterns for p in processors)
+    with pytest.raises(validation.RequestError) as info:
+        validation.resolve_sampling(generate_pb2.SamplingParams(stop_regex=["ok", "(unclosed"]), "sampling_params",
+                                    INFO, False, 4, "", False)
+    [violation] = info.value.violations
+    assert violation.field == "sampling_params.stop_regex" and "(unclosed" in violation.description

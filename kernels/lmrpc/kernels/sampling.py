@@ -1,7 +1,7 @@
 """Batched logit processing, sampling and logprobs: one vectorized pass over rows with mixed parameters.
 
 Tensor-level only (no engine types): the engine's Sampler turns its sequences into a `SamplingInputs` and calls
-`sample`. Steps, in the order of semantics.md "Order of logit processing":
+`sample`. Steps, in the order of docs/semantics.md "Order of logit processing":
 
 1. frequency / presence penalties (counts of generated tokens), 2. repetition penalty, 3. min_new_tokens (stop ids
 -> -inf), 4. grammar bitmask, logit_bias, custom per-row processors; then logprobs of the processed logits divided

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
+    import regex
     from llguidance import LLMatcher
 
 GREEDY_TEMPERATURE = 1e-6  # below this, a row is decoded greedily (argmax)
@@ -77,6 +78,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings
     stop_token_ids: tuple[int, ...] = ()  # extra stop token ids (besides the model's EOS ids)
     stop_regex: tuple[str, ...] = ()  # stop patterns matched against the decoded tail
+    # stop_regex compiled once at validation (the `regex` module's patterns): compiled again for each output on the
+    # engine thread, a call of 320 outputs x 1,024 patterns stalled it. Empty: not compiled (the engine compiles).
+    stop_patterns: tuple[regex.Pattern[str], ...] = field(default=(), compare=False, repr=False)
     ignore_eos: bool = False  # don't stop on EOS ids nor stop_token_ids
     skip_special_tokens: bool = True  # leave special tokens out of the text
     spaces_between_special_tokens: bool = True  # join special tokens with spaces in the text

@@ -12,13 +12,13 @@ OpenAI-shaped requests, which map onto these, live in openai/validation.py."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import grpc
 import numpy as np
+import regex
 from google.protobuf import any_pb2, duration_pb2, json_format
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
@@ -425,7 +425,8 @@ def resolve_sampling(
     c.check(0 <= min_p <= 1, at("min_p"), f"must be in [0, 1], got {min_p}")
     c.check(-2 <= freq <= 2, at("frequency_penalty"), f"must be in [-2, 2], got {freq}")
     c.check(-2 <= pres <= 2, at("presence_penalty"), f"must be in [-2, 2], got {pres}")
-    c.check(0 <= rep <= 2, at("repetition_penalty"), f"must be in [0, 2], got {rep}")
+    # 0 would divide positive logits by zero (inf, then NaN probabilities): the range is open at 0.
+    c.check(0 < rep <= 2, at("repetition_penalty"), f"must be in (0, 2], got {rep}")
     c.check(max_new >= 0, at("max_new_tokens"), f"must be >= 0, got {max_new}")
     c.check(0 <= min_new <= max(max_new, 0), at("min_new_tokens"),
             f"must be in [0, {max_new}] (the maximum number of tokens to generate), got {min_new}")
@@ -437,11 +438,12 @@ def resolve_sampling(
         c.check(0 <= t < info.vocab_size, at("stop_token_ids"), f"token id {t} outside [0, {info.vocab_size})")
     for s in pb.stop:
         c.check(bool(s), at("stop"), "stop strings must not be empty")
+    patterns = []  # compiled here, once per request, with the module the detokenizer matches with
     for pattern in pb.stop_regex:
         try:
-            re.compile(pattern)
-        except re.error as exc:
-            c.violations.append(Violation(at("stop_regex"), f"invalid pattern {pattern!r}: {exc}"))
+            patterns.append(regex.compile(pattern))
+        except regex.error as exc:
+            c.violations.append(Violation(at("stop_regex"), f"invalid pattern {clip(pattern)!r}: {exc}"))
     c.check(not processor or processors_enabled, "custom_logit_processor",
             "custom logit processors are disabled (server flag --enable-custom-logit-processor)")
     kind = pb.WhichOneof("constraint")
@@ -457,8 +459,8 @@ def resolve_sampling(
         min_new_tokens=min_new, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
         stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), stop_regex=tuple(pb.stop_regex),
-        ignore_eos=pb.ignore_eos, skip_special_tokens=pb.skip_special_tokens if pb.HasField(
-            "skip_special_tokens") else True,
+        stop_patterns=tuple(patterns), ignore_eos=pb.ignore_eos,
+        skip_special_tokens=pb.skip_special_tokens if pb.HasField("skip_special_tokens") else True,
         spaces_between_special_tokens=pb.spaces_between_special_tokens if pb.HasField(
             "spaces_between_special_tokens") else True,
         no_stop_trim=pb.no_stop_trim, logit_bias=dict(pb.logit_bias),

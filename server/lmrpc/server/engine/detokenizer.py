@@ -1,7 +1,7 @@
 """Incremental detokenization and the stop rules of one output.
 
 `OutputProcessor.process(token)` is called after each sampled token. It decides whether the output ends (in the
-order of semantics.md "Stopping": length, grammar end, EOS / stop token, stop string, stop regex) and returns the
+order of docs/semantics.md "Stopping": length, grammar end, EOS / stop token, stop string, stop regex) and returns
 new text that is safe to show: never half a UTF-8 character, never the beginning of what may still become a stop
 string. The concatenation of all returned texts is the output's final text (trimmed of the stop string / token).
 
@@ -138,10 +138,12 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.stops: tuple[str, ...] = tuple(s for s in params.stop if s)
-        try:
-            self.regexes = tuple(regex.compile(p) for p in params.stop_regex)
-        except regex.error as exc:
-            raise ValueError(f"stop_regex: invalid pattern: {exc}") from exc
+        self.regexes = params.stop_patterns  # compiled at validation
+        if len(self.regexes) != len(params.stop_regex):  # an in-process caller's: compiled here
+            try:
+                self.regexes = tuple(regex.compile(p) for p in params.stop_regex)
+            except regex.error as exc:
+                raise ValueError(f"stop_regex: invalid pattern: {exc}") from exc
         self.decoder = IncrementalDecoder(
             tokenizer,
             list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]),

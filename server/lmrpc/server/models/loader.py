@@ -136,7 +136,31 @@ def _generation_defaults(path: Path) -> dict[str, float]:
     if not file.exists():
         return {}
     data = json.loads(file.read_text())
-    return {k: float(data[k]) for k in SAMPLING_DEFAULT_KEYS if data.get(k) is not None}
+    found = {k: float(data[k]) for k in SAMPLING_DEFAULT_KEYS if isinstance(data.get(k), (int, float))}
+    return usable_sampling_defaults(found, str(file))
+
+
+# What a request may set each default to (validation.resolve_sampling's ranges): a model's default outside them
+# would fail every request that leaves the field unset, on a field its client never sent.
+_DEFAULT_RANGES: dict[str, Callable[[float], bool]] = {
+    "temperature": lambda v: v >= 0, "top_p": lambda v: 0 < v <= 1, "top_k": lambda v: v == -1 or v >= 1,
+    "min_p": lambda v: 0 <= v <= 1, "repetition_penalty": lambda v: 0 < v <= 2,
+}
+
+
+def usable_sampling_defaults(found: dict[str, float], source: str) -> dict[str, float]:
+    """A generation config's sampling defaults in our conventions: top_k 0 is Hugging Face's "off" (-1 here); a
+    value outside the range a request may set is dropped with a warning (the server's own default applies)."""
+    if found.get("top_k") == 0:
+        found["top_k"] = -1.0
+    usable = {}
+    for key, value in found.items():
+        if key in _DEFAULT_RANGES and not _DEFAULT_RANGES[key](value):
+            logger.warning("%s: ignoring %s = %s (outside what a request may set); the server's default applies",
+                           source, key, value)
+            continue
+        usable[key] = value
+    return usable
 
 
 def _eos_ids(path: Path, hf_config: object) -> tuple[int, ...]:
