@@ -1,4 +1,6 @@
-"""The Kubernetes manifests and the Dockerfile, checked for structure (no kubectl, no docker here).
+"""The Kubernetes manifests and the Dockerfiles, checked for structure (no kubectl, no docker here): lmrpc's
+(deploy/kubernetes), SMG in front of it (deploy/smg) and the Inference Extension pool (deploy/inference-pool), which
+must name the same pod labels, ports and service account.
 
 Each rule is a `check_*` function that raises AssertionError; the tests run them on the real files, and the
 `test_*_rejects_*` tests run them on broken copies to show that each rule can fail.
@@ -19,15 +21,19 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 DOCKERFILE = ROOT / "Dockerfile"
+SMG = ROOT / "deploy" / "smg"
+SMG_VERSION = "1.13.0"  # the gateway version lmrpc's worker service is tested against (README "Behind SMG")
+POOL = ROOT / "deploy" / "inference-pool" / "inferencepool.yaml"
+SMG_SETTLE_SECONDS = 5.0  # SMG keeps listening this long after SIGTERM before it drains (1.13's fixed window)
 SERVICE_NAME = "lmrpc.v1.GenerateService"
 GRACE_MARGIN_SECONDS = 5.0  # what terminationGracePeriodSeconds must leave beyond the longest drain
 
 Doc = dict[str, Any]
 
 
-def load_docs() -> list[Doc]:
+def load_docs(folder: Path = K8S) -> list[Doc]:
     docs: list[Doc] = []
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted(folder.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc is not None:
                 assert isinstance(doc, dict), f"{path.name}: a document is not a mapping"
@@ -233,8 +239,8 @@ def check_non_root(deployment: Doc, uid: int, cache_dir: str) -> None:
     assert env.get("LMRPC_CACHE", cache_dir) == cache_dir, "LMRPC_CACHE does not point at the mounted cache"
 
 
-def check_kustomization(names: list[str]) -> None:
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+def check_kustomization(names: list[str], folder: Path = K8S) -> None:
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
     listed = kustomization["resources"]
     assert sorted(listed) == sorted(names), f"kustomization.yaml lists {listed}, the folder has {names}"
 
@@ -369,3 +375,194 @@ def test_dockerfile_check_rejects_root_and_a_missing_healthcheck() -> None:
         check_dockerfile(re.sub(r"(?m)^HEALTHCHECK.*(\n\s+CMD.*)?$", "", text))
     with pytest.raises(AssertionError, match="no USER"):
         check_dockerfile(re.sub(r"(?m)^USER .*$", "", text))
+
+
+# --- SMG in front (deploy/smg) and the Inference Extension pool (deploy/inference-pool) ----------------------
+
+def named_port(container: Doc, name: str) -> int:
+    ports = [p["containerPort"] for p in container.get("ports", []) if p.get("name") == name]
+    assert len(ports) == 1, f"the container has no (or several) ports named {name}"
+    number = ports[0]
+    assert isinstance(number, int)
+    return number
+
+
+def pod_labels(deployment: Doc) -> dict[str, str]:
+    labels: dict[str, str] = deployment["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def smg_args(container: Doc) -> Any:
+    """SMG's own parse of the container's argv (smg.launch_router.parse_router_args: a misspelt flag fails here)."""
+    launch_router = pytest.importorskip("smg.launch_router")
+    argv = [str(a) for a in container.get("command", [])] + [str(a) for a in container.get("args", [])]
+    assert argv[:2] == ["smg", "launch"], f"the container does not run `smg launch`: {argv}"
+    return launch_router.parse_router_args(argv[2:])
+
+
+def check_smg_discovery(smg: Doc, lmrpc: Doc) -> None:
+    """SMG watches exactly the lmrpc pods, on their gRPC port, in its own namespace, with cache-aware routing."""
+    container = server_container(smg)
+    args = smg_args(container)
+    assert args.service_discovery, "SMG's Kubernetes service discovery is off"
+    assert args.selector, "SMG's discovery selector is empty: it would register every pod it sees"
+    assert args.selector.items() <= pod_labels(lmrpc).items(), (
+        f"SMG's selector {args.selector} does not match the lmrpc pod labels")
+    assert args.service_discovery_port == grpc_port(server_container(lmrpc)), (
+        f"SMG reaches the pods on port {args.service_discovery_port}, not lmrpc's grpc port")
+    assert args.policy == "cache_aware", f"the policy is {args.policy}"
+    env = {e["name"]: e for e in container.get("env", [])}
+    namespace = args.service_discovery_namespace
+    assert namespace is not None, "no --service-discovery-namespace: SMG would watch the whole cluster"
+    match = re.fullmatch(r"\$\((\w+)\)", namespace)
+    assert match and env.get(match.group(1), {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == \
+        "metadata.namespace", f"--service-discovery-namespace={namespace} is not the pod's own namespace"
+    assert args.port == named_port(container, "http"), "SMG listens elsewhere than the container's http port"
+    assert args.prometheus_port == named_port(container, "metrics"), "SMG's metrics are not on the metrics port"
+
+
+def check_smg_rbac(docs: list[Doc], smg: Doc) -> None:
+    """The pod runs as the service account the RoleBinding gives list/watch on pods."""
+    spec = pod_spec(smg)
+    account = spec.get("serviceAccountName")
+    assert account, "the SMG pod runs as the default service account"
+    assert account in {a["metadata"]["name"] for a in of_kind(docs, "ServiceAccount")}, f"no ServiceAccount {account}"
+    assert spec.get("automountServiceAccountToken", True) is True, "the pod mounts no token to watch pods with"
+    roles = {r["metadata"]["name"]: r for r in of_kind(docs, "Role")}
+    granted: set[str] = set()
+    for binding in of_kind(docs, "RoleBinding"):
+        if any(s["kind"] == "ServiceAccount" and s["name"] == account for s in binding["subjects"]):
+            ref = binding["roleRef"]
+            assert ref["kind"] == "Role" and ref["name"] in roles, f"the RoleBinding names no Role here: {ref}"
+            for rule in roles[ref["name"]]["rules"]:
+                if "" in rule["apiGroups"] and "pods" in rule["resources"]:
+                    granted |= set(rule["verbs"])
+    assert {"list", "watch"} <= granted, f"{account} may not list and watch pods (has {sorted(granted)})"
+
+
+def check_smg_pod(docs: list[Doc], smg: Doc) -> None:
+    container = server_container(smg)
+    for probe_name in ("readinessProbe", "livenessProbe"):
+        probe = container[probe_name]["httpGet"]
+        assert probe["port"] in ("http", named_port(container, "http")), f"{probe_name} probes another port"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    for service in of_kind(docs, "Service"):
+        assert service["spec"]["selector"].items() <= pod_labels(smg).items(), "the SMG Service selects other pods"
+        for port in service["spec"]["ports"]:
+            named_port(container, port["targetPort"])
+    shutdown = float(smg_args(container).shutdown_grace_period_secs)
+    grace = pod_spec(smg).get("terminationGracePeriodSeconds", 30)
+    assert grace > SMG_SETTLE_SECONDS + shutdown + GRACE_MARGIN_SECONDS, (
+        f"terminationGracePeriodSeconds {grace} does not cover SMG's drain ({SMG_SETTLE_SECONDS} + {shutdown} s)")
+
+
+def check_smg_image(smg: Doc, dockerfile: str) -> None:
+    """The image the manifest runs is the one deploy/smg/Dockerfile builds: SMG 1.13.0, as a non-root user."""
+    image = server_container(smg)["image"]
+    kustomization = yaml.safe_load((SMG / "kustomization.yaml").read_text())
+    names = {i["name"]: f"{i.get('newName', i['name'])}:{i['newTag']}" for i in kustomization.get("images", [])}
+    name, _, tag = image.partition(":")
+    assert names.get(name, image) == f"{name}:{tag}" == f"{name}:{SMG_VERSION}", f"{image} is not SMG {SMG_VERSION}"
+    assert f"docker build -t {name}:{SMG_VERSION} deploy/smg" in dockerfile, "the Dockerfile builds another tag"
+    assert re.search(rf"SMG_VERSION={re.escape(SMG_VERSION)}\b", dockerfile), "the Dockerfile pins another SMG"
+    users = [rest for word, rest in dockerfile_instructions(dockerfile) if word == "USER"]
+    assert users and users[-1] == str(pod_spec(smg)["securityContext"]["runAsUser"]), "runAsUser is not the USER"
+    check_non_root_settings(smg)
+
+
+def check_non_root_settings(deployment: Doc) -> None:
+    sc = {**pod_spec(deployment).get("securityContext", {}), **server_container(deployment).get("securityContext", {})}
+    assert sc.get("runAsNonRoot") is True and sc.get("allowPrivilegeEscalation") is False
+    assert sc.get("readOnlyRootFilesystem") is True, "the root filesystem is writable"
+
+
+def check_inference_pool(pool: Doc, lmrpc: Doc) -> None:
+    """The pool selects the lmrpc pods on their gRPC port, and those pods export metrics for the picker."""
+    assert (pool["apiVersion"], pool["kind"]) == ("inference.networking.k8s.io/v1", "InferencePool")
+    spec = pool["spec"]
+    selector = spec["selector"]["matchLabels"]
+    assert selector and selector.items() <= pod_labels(lmrpc).items(), f"the pool selects {selector}, not lmrpc"
+    container = server_container(lmrpc)
+    assert [p["number"] for p in spec["targetPorts"]] == [grpc_port(container)], "the pool targets another port"
+    assert spec.get("appProtocol") == "kubernetes.io/h2c", "lmrpc speaks gRPC: the pool must say h2c"
+    assert spec["endpointPickerRef"]["name"], "the pool names no endpoint picker"
+    metrics = flag_value(server_argv(container), "--metrics-port")
+    assert metrics is not None, "lmrpc-server runs without --metrics-port: the picker would have nothing to read"
+    assert int(metrics) == named_port(container, "metrics"), "--metrics-port is not the container's metrics port"
+
+
+@pytest.fixture(scope="module")
+def smg_docs() -> list[Doc]:
+    return load_docs(SMG)
+
+
+@pytest.fixture(scope="module")
+def smg(smg_docs: list[Doc]) -> Doc:
+    return the_one(smg_docs, "Deployment")
+
+
+def test_smg_manifests_parse_and_the_kustomization_lists_them(smg_docs: list[Doc]) -> None:
+    assert list(SMG.glob("*.yml")) == [], "use .yaml: the checks read *.yaml only"
+    for doc in smg_docs:
+        assert doc.get("apiVersion") and doc.get("kind"), f"a document lacks apiVersion/kind: {doc}"
+    check_kustomization([p.name for p in SMG.glob("*.yaml") if p.name != "kustomization.yaml"], SMG)
+    kinds = sorted(d["kind"] for d in smg_docs if d["kind"] != "Kustomization")
+    assert kinds == ["Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+
+
+def test_smg_discovers_the_lmrpc_pods(smg: Doc, deployment: Doc) -> None:
+    check_smg_discovery(smg, deployment)
+
+
+def test_smg_service_account_may_watch_pods(smg_docs: list[Doc], smg: Doc) -> None:
+    check_smg_rbac(smg_docs, smg)
+
+
+def test_smg_pod_probes_service_and_grace(smg_docs: list[Doc], smg: Doc) -> None:
+    check_smg_pod(smg_docs, smg)
+    check_selectors(smg_docs)
+
+
+def test_smg_image_is_the_documented_build(smg: Doc) -> None:
+    check_smg_image(smg, (SMG / "Dockerfile").read_text())
+
+
+def test_inference_pool_selects_the_lmrpc_pods(deployment: Doc) -> None:
+    check_inference_pool(yaml.safe_load(POOL.read_text()), deployment)
+
+
+def test_smg_checks_reject_a_wrong_selector_port_and_account(smg_docs: list[Doc], smg: Doc, deployment: Doc) -> None:
+    def with_args(mutate: Callable[[list[str]], object]) -> Doc:
+        return broken(smg, lambda d: mutate(container_of(d)["args"]))
+
+    def replace(old: str, new: str) -> Callable[[list[str]], object]:
+        return lambda args: args.__setitem__(args.index(old), new)
+
+    with pytest.raises(AssertionError, match="does not match the lmrpc pod labels"):
+        check_smg_discovery(with_args(replace("app.kubernetes.io/name=lmrpc", "app.kubernetes.io/name=vllm")),
+                            deployment)
+    with pytest.raises(AssertionError, match="not lmrpc's grpc port"):
+        check_smg_discovery(with_args(replace("--service-discovery-port=50051", "--service-discovery-port=8000")),
+                            deployment)
+    with pytest.raises(AssertionError, match="whole cluster"):
+        check_smg_discovery(with_args(lambda args: args.remove("--service-discovery-namespace=$(POD_NAMESPACE)")),
+                            deployment)
+    with pytest.raises(AssertionError, match="no ServiceAccount"):
+        check_smg_rbac(smg_docs, broken(smg, lambda d: pod_spec(d).update(serviceAccountName="other")))
+    no_watch = copy.deepcopy(smg_docs)
+    the_one(no_watch, "Role")["rules"][0]["verbs"] = ["get"]
+    with pytest.raises(AssertionError, match="may not list and watch"):
+        check_smg_rbac(no_watch, smg)
+    with pytest.raises(AssertionError, match="SMG's drain"):
+        check_smg_pod(smg_docs, broken(smg, lambda d: pod_spec(d).update(terminationGracePeriodSeconds=30)))
+
+
+def test_pool_check_rejects_another_port_and_missing_metrics(deployment: Doc) -> None:
+    pool = yaml.safe_load(POOL.read_text())
+    wrong_port = copy.deepcopy(pool)
+    wrong_port["spec"]["targetPorts"] = [{"number": 8000}]
+    with pytest.raises(AssertionError, match="another port"):
+        check_inference_pool(wrong_port, deployment)
+    no_metrics = broken(deployment, lambda d: container_of(d)["args"].remove("--metrics-port=9090"))
+    with pytest.raises(AssertionError, match="without --metrics-port"):
+        check_inference_pool(pool, no_metrics)

@@ -1,11 +1,14 @@
 """Prometheus metrics: an output's timeline, the registry fed by the real GenerateService over a fake engine,
-scrape-time engine gauges, the HTTP endpoint, and the engine stamping when an output was first scheduled."""
+scrape-time engine gauges (also under vLLM's names, for the endpoint pickers that read them), the HTTP endpoint,
+and the engine stamping when an output was first scheduled."""
 
 from __future__ import annotations
 
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from fake_engine import CACHED, NUM_PAGES, FakeEngine, ids_request, make_service, serving
@@ -16,6 +19,7 @@ from test_engine import collect, make_engine, request
 
 from lmrpc.server.__main__ import parse_args
 from lmrpc.server.config import ServerConfig
+from lmrpc.server.engine.engine import adapter_names
 from lmrpc.server.metrics import Metrics, MetricsServer, OutputTimeline
 from lmrpc.server.protocol import EngineOutput, EngineStats, Finish, FinishReason, SamplingParams, Usage
 
@@ -76,6 +80,69 @@ def test_engine_gauges_are_read_at_scrape_and_absent_before_the_engine() -> None
     assert value(m, "lmrpc:kv_cache_usage_ratio") == 0.25  # cached-only pages don't count
     load[0] = EngineStats(0, 0, NUM_PAGES, NUM_PAGES, 0, 40)
     assert value(samples(metrics), "lmrpc:kv_cache_usage_ratio") == 0
+
+
+VLLM_GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+               "vllm:lora_requests_info", "vllm:cache_config_info"}
+
+
+def only_sample(families: dict[str, list[Sample]], name: str) -> Sample:
+    [sample] = families[name]  # one series: a router must not have to choose between label sets
+    return sample
+
+
+def test_vllm_gauges_carry_vllms_names_labels_and_units() -> None:
+    metrics = Metrics(clock=lambda: 1_700_000_000.5)
+    assert VLLM_GAUGES.isdisjoint(samples(metrics))  # no engine yet: no figures to report (not zeros)
+    metrics.attach(lambda: EngineStats(3, 5, NUM_PAGES, 60, 25, 15, num_loaded_adapters=4, page_size=32,
+                                       max_adapters=2, running_adapters=("sql", "summarise"),
+                                       waiting_adapters=("chat",)))
+    m = samples(metrics)
+    assert set(m) >= VLLM_GAUGES
+    assert (only_sample(m, "vllm:num_requests_running").value, only_sample(m, "vllm:num_requests_waiting").value) \
+        == (3, 5)
+    kv = only_sample(m, "vllm:kv_cache_usage_perc")
+    assert (kv.labels, kv.value) == ({}, 0.25)  # a fraction, as vLLM reports it; cached-only pages are free
+    lora = only_sample(m, "vllm:lora_requests_info")
+    assert lora.labels == {"max_lora": "2", "running_lora_adapters": "sql,summarise", "waiting_lora_adapters": "chat"}
+    assert lora.value == 1_700_000_000.5  # when it was updated: the picker takes the latest series
+    cache = only_sample(m, "vllm:cache_config_info")
+    assert (cache.labels, cache.value) == ({"block_size": "32", "num_gpu_blocks": str(NUM_PAGES)}, 1)
+    # the lmrpc names still say the same
+    assert (value(m, "lmrpc:num_requests_running"), value(m, "lmrpc:kv_cache_usage_ratio")) == (3, 0.25)
+
+
+def test_vllm_lora_info_without_adapters_names_none() -> None:
+    metrics = Metrics()
+    before = time.time()
+    metrics.attach(lambda: EngineStats(0, 0, NUM_PAGES, NUM_PAGES, 0, 0, page_size=16))
+    lora = only_sample(samples(metrics), "vllm:lora_requests_info")
+    assert lora.labels == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert before <= lora.value <= time.time()  # the wall clock, as vLLM's set_to_current_time()
+
+
+def test_adapter_names_are_distinct_sorted_and_skip_the_base_model() -> None:
+    def seq(adapter: str | None) -> Any:
+        return SimpleNamespace(request=SimpleNamespace(adapter=None if adapter is None else SimpleNamespace(
+            name=adapter)))
+
+    assert adapter_names(cast(Any, [seq("b"), seq(None), seq("a"), seq("b")])) == ("a", "b")
+    assert adapter_names([]) == ()
+
+
+def test_real_engine_reports_page_size_and_adapter_slots(tiny_llama_dir: Path) -> None:
+    engine = make_engine(tiny_llama_dir, kv_tokens=4096, page_size=16)
+    try:
+        metrics = Metrics()
+        metrics.attach(engine.stats)
+        m = samples(metrics)
+    finally:
+        engine.shutdown()
+    cache = only_sample(m, "vllm:cache_config_info")
+    assert cache.labels == {"block_size": "16", "num_gpu_blocks": str(4096 // 16)}
+    lora = only_sample(m, "vllm:lora_requests_info")  # the tiny Llama takes adapters: --max-loras-per-batch's 8
+    assert lora.labels == {"max_lora": "8", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert only_sample(m, "vllm:num_requests_running").value == only_sample(m, "vllm:kv_cache_usage_perc").value == 0
 
 
 def test_http_endpoint_serves_the_registry() -> None:

@@ -2,7 +2,9 @@
 with smg-grpc-proto's own stubs: registration (HealthCheck, GetModelInfo, GetServerInfo), Generate equal to lmrpc's
 own Generate on the same ids (merged and streamed), n=2 indices, logprobs, stop_token_ids with matched_token_id,
 Abort and cancel freeing the pages, validation and admission statuses, GetLoads' figures, the GetTokenizer zip
-loaded by transformers, API keys, UNIMPLEMENTED with a message for what is not served."""
+loaded by transformers, API keys, UNIMPLEMENTED with a message for what is not served; SubscribeKvEvents' stored
+blocks for a prompt's full pages (chained, with load records) and `cleared` after FlushCache, which refuses while a
+request runs unless told to wait."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from lmrpc.server.auth import ApiKeys, AuthInterceptor
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
-from lmrpc.server.service import GenerateService
+from lmrpc.server.generate.service import GenerateService
 from lmrpc.server.sglang.service import SglangWorkerService
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
@@ -123,9 +125,6 @@ async def test_registration(worker: Worker) -> None:
     server = await worker.sglang.GetServerInfo(sgl.GetServerInfoRequest())
     args = dict(server.server_args)
     assert (args["max_running_requests"], args["context_length"], args["page_size"]) == (16, 4096, 16)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        [m async for m in worker.sglang.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())]
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "approximate" in (err.value.details() or "")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await worker.sglang.Embed(sgl.EmbedRequest())
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -290,3 +289,62 @@ async def test_draining_is_unhealthy(tiny: tuple[AsyncEngine, EngineConfig],
     frontend.draining = True
     health = await service.HealthCheck(sgl.HealthCheckRequest(), None)  # type: ignore[arg-type]
     assert not health.healthy and "shutting down" in health.message
+
+
+# ---- KV events and FlushCache ------------------------------------------------------------------------------------
+
+
+async def kv_batches_until(events: Any, done: Any, limit: float = 60) -> list[common_pb2.KvEventBatch]:
+    """Batches read from a SubscribeKvEvents call until done(batches) holds."""
+    got: list[common_pb2.KvEventBatch] = []
+
+    async def read() -> None:
+        while not done(got):
+            msg = await events.read()
+            assert msg is not grpc.aio.EOF
+            got.append(msg)
+
+    await asyncio.wait_for(read(), limit)
+    return got
+
+
+def stored_blocks(batches: list[common_pb2.KvEventBatch]) -> list[common_pb2.KvBlock]:
+    return [b for batch in batches for e in batch.events if e.HasField("stored") for b in e.stored.blocks]
+
+
+async def test_kv_events_follow_the_prefix_cache_and_flush(worker: Worker) -> None:
+    flushed = await worker.sglang.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10))
+    assert flushed.success
+    events = worker.sglang.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+        start_sequence_number=0, load_records_before_first_batch=True))
+    first = await kv_batches_until(events, lambda got: len(got) >= 1)
+    assert first[0].HasField("load")
+    ids = ids_of(worker.engine, PROMPT * 4)[:40]  # two full pages of 16 and a partial one
+    await call(worker, smg_request(ids, max_new_tokens=1))
+    want = [ids[:16], ids[16:32]]
+    batches = first + await kv_batches_until(
+        events, lambda got: [list(b.token_ids) for b in stored_blocks(got)][-2:] == want)
+    one, two = stored_blocks(batches)[-2:]
+    assert (one.block_size, two.block_size) == (16, 16)
+    parents = [e.stored for batch in batches for e in batch.events if e.HasField("stored")][-2:]
+    assert not parents[0].HasField("parent_block_hash") and parents[1].parent_block_hash == one.block_hash
+    assert all(batch.load.max_running_requests == 16 for batch in batches)
+
+    flushed = await worker.sglang.FlushCache(common_pb2.FlushCacheRequest())
+    assert flushed.success and worker.engine.engine.kv.num_cached_pages == 0
+    batches += await kv_batches_until(
+        events, lambda got: any(e.HasField("cleared") for batch in got for e in batch.events))
+    numbered = [b.sequence_number for b in batches if not b.load.load_only]
+    assert numbered == sorted(set(numbered))
+    events.cancel()
+
+
+async def test_flush_cache_refuses_while_a_request_runs(worker: Worker) -> None:
+    stream = worker.sglang.Generate(smg_request(ids_of(worker.engine), stream=True, max_new_tokens=3000,
+                                                ignore_eos=True))
+    assert (await stream.read()).HasField("chunk")
+    busy = await worker.sglang.FlushCache(common_pb2.FlushCacheRequest(timeout_s=0))
+    assert not busy.success and "in flight" in busy.message
+    stream.cancel()
+    await wait_pages_free(worker.engine)
+    assert (await worker.sglang.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10))).success

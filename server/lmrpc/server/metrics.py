@@ -1,5 +1,9 @@
 """Prometheus metrics: per-output timings measured where the service streams outputs, engine load read at scrape.
 
+Beside lmrpc's own `lmrpc:*` names, the engine gauges are also exported under vLLM's names and semantics
+(`vllm:num_requests_waiting`, ...): the Gateway API Inference Extension's endpoint picker (and llm-d's) read
+those from any pod they route to, so lmrpc pods are scored like vLLM ones without a custom metrics config.
+
 A "request" here is one output (one `EngineRequest`: a call with b prompts and n samples makes b * n), because
 finish reasons, usage and timings all belong to an output. Every metric lives in the `CollectorRegistry` owned
 by a `Metrics` object, so a process (or a test) can hold several without them sharing state.
@@ -8,6 +12,7 @@ by a `Metrics` object, so a process (or a test) can hold several without them sh
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
@@ -19,6 +24,7 @@ from prometheus_client.metrics_core import Metric
 from lmrpc.server.protocol import EngineOutput, EngineStats, Usage
 
 PREFIX = "lmrpc:"
+VLLM = "vllm:"  # the names routers built for vLLM read
 
 # Seconds. Fine at the low end (a CPU decode step is tens of ms, a GPU one a few) and long at the top (minutes of
 # queueing under overload, or long generations).
@@ -108,13 +114,14 @@ class _PromptCounts:
 class _EngineCollector:
     """Gauges computed at scrape time: engine load (when an engine is attached) and the prefix-cache hit ratio."""
 
-    def __init__(self, counts: _PromptCounts) -> None:
+    def __init__(self, counts: _PromptCounts, clock: Callable[[], float] = time.time) -> None:
         self._counts = counts
+        self._clock = clock  # wall clock: vllm:lora_requests_info's value is when it was last updated
         self.stats: StatsSource | None = None  # set once the model is loaded
 
     def describe(self) -> Iterable[Metric]:
         # Names only: registering must not call into an engine that may not exist yet.
-        return list(self._families())
+        return [*self._families(), *_vllm_families()]
 
     def collect(self) -> Iterable[Metric]:
         stats = self.stats() if self.stats is not None else None
@@ -130,7 +137,25 @@ class _EngineCollector:
             kv.add_metric([], stats.num_used_pages / stats.num_pages if stats.num_pages else 0.0)
             loras.add_metric([], stats.num_loaded_adapters)
         prefix.add_metric([], cached / prompt if prompt else 0.0)
-        return [running, waiting, paused, kv, prefix, loras] if stats is not None else [prefix]
+        if stats is None:
+            return [prefix]
+        return [running, waiting, paused, kv, prefix, loras, *self._vllm(stats)]
+
+    def _vllm(self, stats: EngineStats) -> list[GaugeMetricFamily]:
+        """The engine gauges under vLLM's names, labels and units (vllm/v1/metrics/loggers.py)."""
+        running, waiting, kv, lora, cache = _vllm_families()
+        running.add_metric([], stats.num_running)
+        waiting.add_metric([], stats.num_waiting)
+        # A fraction (1 = full) despite the name, as vLLM reports it; the pages counted are the lmrpc gauge's: vLLM
+        # also counts cached-only blocks as free (they are in its free queue, evictable).
+        kv.add_metric([], stats.num_used_pages / stats.num_pages if stats.num_pages else 0.0)
+        # vLLM sets a new label set to the current time at every step and keeps the old series; the endpoint picker
+        # takes the series with the latest value. Built at scrape, ours has one series, stamped now.
+        lora.add_metric([str(stats.max_adapters), ",".join(stats.waiting_adapters), ",".join(stats.running_adapters)],
+                        self._clock())
+        # An info gauge (always 1): routers read the page size (block_size) to count prompt blocks.
+        cache.add_metric([str(stats.page_size), str(stats.num_pages)], 1.0)
+        return [running, waiting, kv, lora, cache]
 
     @staticmethod
     def _families() -> Iterator[GaugeMetricFamily]:
@@ -145,10 +170,22 @@ class _EngineCollector:
         yield GaugeMetricFamily(f"{PREFIX}lora_adapters_loaded", "LoRA adapters held in memory.")
 
 
+def _vllm_families() -> tuple[GaugeMetricFamily, ...]:
+    return (
+        GaugeMetricFamily(f"{VLLM}num_requests_running", "Number of requests in model execution batches."),
+        GaugeMetricFamily(f"{VLLM}num_requests_waiting", "Number of requests waiting to be processed."),
+        GaugeMetricFamily(f"{VLLM}kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+        GaugeMetricFamily(f"{VLLM}lora_requests_info", "Running stats on lora requests.",
+                          labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"]),
+        GaugeMetricFamily(f"{VLLM}cache_config_info", "Information of the LLMEngine CacheConfig",
+                          labels=["block_size", "num_gpu_blocks"]),
+    )
+
+
 class Metrics:
     """Every lmrpc metric, in a registry of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Call arrival to an output's first token.",
@@ -172,7 +209,7 @@ class Metrics:
                                               "Tokens generated under a LoRA adapter by finished outputs.", ["adapter"],
                                               registry=r)
         self._counts = _PromptCounts()
-        self._engine = _EngineCollector(self._counts)
+        self._engine = _EngineCollector(self._counts, clock)  # clock: the wall clock (a test's own)
         r.register(self._engine)
         # process_resident_memory_bytes (and CPU seconds, open fds, ...) under their standard names, so memory growth
         # is visible next to the load.

@@ -339,6 +339,12 @@ class EngineStats:
     num_cached_pages: int  # pages held only by the prefix cache
     num_paused: int = 0  # outputs not scheduled because their client has not read what they produced
     num_loaded_adapters: int = 0  # LoRA adapters held in memory
+    # What routers built for vLLM read (metrics.py exports it under vLLM's names): the page size, and the LoRA
+    # adapters a step can run and those its outputs run or wait under. Names sorted, each once.
+    page_size: int = 0  # tokens per KV page; 0: not reported
+    max_adapters: int = 0  # distinct adapters one step can run (--max-loras-per-batch); 0: the model runs none
+    running_adapters: tuple[str, ...] = ()  # adapters of the running outputs
+    waiting_adapters: tuple[str, ...] = ()  # adapters of the waiting outputs
 
 
 class EngineClient(Protocol):

@@ -10,15 +10,16 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lmrpc.server import memory
 from lmrpc.server.config import EngineConfig
 from lmrpc.server.engine.engine import Engine, EngineUnavailable
 from lmrpc.server.engine.grammar import GrammarBackend
-from lmrpc.server.engine.live import OutputFlow, _Abort, _Add, _Stop, _Wake
+from lmrpc.server.engine.kv_cache import CacheListener
+from lmrpc.server.engine.live import OutputFlow, _Abort, _Add, _Call, _Stop, _Wake
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.logit_processors import ProcessorRegistry
 from lmrpc.server.media.types import MultimodalProcessor
@@ -27,6 +28,13 @@ from lmrpc.server.protocol import Constraint, EngineOutput, EngineRequest, Engin
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
+
+
+def _resolve(future: asyncio.Future[Any], result: object) -> None:  # event loop
+    if not future.done():  # its caller may have been cancelled meanwhile
+        future.set_result(result)
 
 
 class AsyncEngine:
@@ -164,6 +172,30 @@ class AsyncEngine:
         flow.taken += 1
         if flow.paused and flow.backlog == self._engine.max_buffered_outputs // 2:
             self._engine.submit(_Wake())
+
+    # ---- the prefix cache (SMG's KV events, FlushCache) ----------------------------------------------------------
+
+    async def _on_engine(self, fn: Callable[[Engine], T]) -> T:
+        """fn(engine) run on the engine thread between steps; its result delivered with the iteration's outputs."""
+        if self.failure is not None:
+            raise EngineUnavailable(self.failure)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+        engine = self._engine
+
+        def call() -> None:  # engine thread
+            engine.outbox.put(loop, lambda result: _resolve(done, result), fn(engine))
+
+        engine.submit(_Call(call))
+        return await done
+
+    async def set_cache_listener(self, listener: CacheListener | None) -> None:
+        """Tell `listener` what the prefix cache takes in and lets go, starting with what it holds now."""
+        await self._on_engine(lambda engine: engine.kv.set_listener(listener))
+
+    async def flush_cache(self) -> int:
+        """Drop every cached page no request holds; returns how many were dropped."""
+        return await self._on_engine(lambda engine: engine.kv.flush())
 
     # ---- supervision (the watchdog, on the event loop) ---------------------------------------------------------
 

@@ -23,7 +23,17 @@ from lmrpc.server.engine.executor import ForwardOutput, HiddenRows, ModelExecuto
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
 from lmrpc.server.engine.heap import HeapTrimmer
 from lmrpc.server.engine.kv_cache import KVCacheManager
-from lmrpc.server.engine.live import Command, LiveRequest, OutputFlow, Sink, _Abort, _Add, _Stop, apply_backpressure
+from lmrpc.server.engine.live import (
+    Command,
+    LiveRequest,
+    OutputFlow,
+    Sink,
+    _Abort,
+    _Add,
+    _Call,
+    _Stop,
+    apply_backpressure,
+)
 from lmrpc.server.engine.outbox import Outbox
 from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
 from lmrpc.server.engine.scheduler import Scheduler
@@ -123,6 +133,7 @@ class Engine:
                 if self.scheduler.has_runnable_work:
                     self._guarded_step()
                     self.heap.busy()
+                self.kv.publish()  # the prefix cache's changes of this iteration, to its listener (KV events)
                 self.outbox.flush()
         except BaseException as exc:
             # Not swallowed: the thread ends. The watchdog sees it and fails the calls in flight.
@@ -156,6 +167,8 @@ class Engine:
                 self.add(command.request, command.sink, command.flow, command.submitted_at)
             elif isinstance(command, _Abort):
                 self.abort(command.request_id, command.reason)
+            elif isinstance(command, _Call):
+                command.fn()
             command = None  # a _Wake only ends the wait
 
     def _guarded_step(self) -> None:
@@ -389,6 +402,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         kv = self.kv
+        # Copies: scrapes and load reports call this off the engine thread, which may change the lists meanwhile.
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -398,7 +413,16 @@ class Engine:
             num_cached_pages=kv.num_cached_pages,
             num_paused=self.scheduler.num_paused,
             num_loaded_adapters=len(self.lora.names()),
+            page_size=kv.page_size,
+            max_adapters=self.scheduler.max_adapters if self.lora.enabled else 0,
+            running_adapters=adapter_names(running),
+            waiting_adapters=adapter_names(waiting),
         )
+
+
+def adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The LoRA adapters these sequences run under, sorted, each once (base-model ones name none)."""
+    return tuple(sorted({s.request.adapter.name for s in seqs if s.request.adapter is not None}))
 
 
 def _count_clients(running: Iterable[Sequence]) -> dict[str, int]:
@@ -407,12 +431,3 @@ def _count_clients(running: Iterable[Sequence]) -> dict[str, int]:
         client = seq.request.client
         counts[client] = counts.get(client, 0) + 1
     return counts
-
-
-def __getattr__(name: str) -> object:
-    # AsyncEngine moved to async_engine.py; scripts that still import it from here get it.
-    if name == "AsyncEngine":
-        from lmrpc.server.engine.async_engine import AsyncEngine
-
-        return AsyncEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,17 +8,52 @@ The cache is a tree of pages chained by content. Full pages are shared in place.
 partly filled page is kept too (a partial leaf), and a new prompt that agrees with the first k tokens of any
 cached child page gets those k slots copied into a fresh page of its own (`PageCopy`, done by the executor before
 the step's forward), so reuse is token-granular: a repeated 1000-token prompt reuses 999 tokens, not 992.
+
+A `CacheListener` (set on the engine thread) hears every page the cache takes in (`stored`), drops (`removed`) and
+a flush that empties it (`cleared`), synchronously, as the bookkeeping changes: SMG's KV-event stream is built from
+these (sglang/kv_events.py). `publish` ends an engine iteration for it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from lmrpc.server.engine.sequence import PageCopy, Sequence
 
 # (parent page in the cache, or the chain's root; the page's keys: Sequence.cache_keys)
 PageKey = tuple[int, tuple[int | bytes, ...]]
+
+BASE_ROOT = -1  # Sequence.cache_root of the base model's chains (an adapter's roots are -2 - uid)
+
+_node_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class CachedPage:
+    """One page the prefix cache took in or let go, as a listener sees it."""
+
+    node: int  # this cache entry's id: never reused, unlike its physical page
+    parent: int | None  # the entry it is chained after (its `node`); None for a chain's first page
+    root: int  # the chain's root: BASE_ROOT, or an adapter's (-2 - uid)
+    page: int  # the physical page
+    keys: tuple[int | bytes, ...]  # its positions' keys: token ids, or bytes for embedding/media positions
+    full: bool  # a full page (False: a finished sequence's partial last page, only ever a leaf)
+
+
+class CacheListener(Protocol):
+    """Told, on the engine thread and in order, what the prefix cache holds. Must not block: it runs inside the
+    engine's loop (a listener queues what it hears; `publish` marks the end of an engine iteration)."""
+
+    def stored(self, page: CachedPage) -> None: ...
+
+    def removed(self, page: CachedPage) -> None: ...
+
+    def cleared(self) -> None: ...
+
+    def publish(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -28,11 +63,19 @@ class _Node:
     key: PageKey  # how it is found: chained from its parent page; a partial page has fewer than page_size tokens
     page: int  # the physical page holding its K/V
     parent: _Node | None  # the cached page before it (None for a prompt's first page)
+    root: int  # the chain's root (Sequence.cache_root)
     children: int = 0  # cached pages chained after it; only leaves are evicted
+    alive: bool = True  # False once dropped: a sequence's chain may still point at it and must not extend it
+    uid: int = field(default_factory=lambda: next(_node_ids))
 
     @property
     def parent_page(self) -> int:
         return self.key[0]
+
+    def view(self, page_size: int) -> CachedPage:
+        keys = self.key[1]
+        return CachedPage(self.uid, None if self.parent is None else self.parent.uid, self.root, self.page, keys,
+                          len(keys) == page_size)
 
 
 @dataclass
@@ -62,6 +105,7 @@ class KVCacheManager:
         self._kids: dict[int, set[_Node]] = {}
         self._pending_copies: dict[Sequence, PageCopy] = {}  # matched partial pages, not yet handed to a step
         self._copying: list[PageCopy] = []  # handed to the current step; their sources stay referenced until done
+        self._listener: CacheListener | None = None
 
     # ---- counters ----------------------------------------------------------------------------------------------
 
@@ -110,7 +154,8 @@ class KVCacheManager:
                 return
         raise AssertionError("no free or evictable page: callers must check can_allocate first")
 
-    def _drop(self, node: _Node) -> None:
+    def _drop(self, node: _Node, notify: bool = True) -> None:
+        node.alive = False
         del self._nodes[node.key]
         del self._node_of_page[node.page]
         del self._lru[node.page]
@@ -119,9 +164,11 @@ class KVCacheManager:
             node.parent.children -= 1
         self._num_cached_only -= 1
         self._free.append(node.page)
+        if notify and self._listener is not None:
+            self._listener.removed(node.view(self.page_size))
 
-    def _insert(self, key: PageKey, page: int, parent: _Node | None) -> _Node:
-        node = _Node(key, page, parent)
+    def _insert(self, key: PageKey, page: int, parent: _Node | None, root: int) -> _Node:
+        node = _Node(key, page, parent, root)
         if parent is not None:
             parent.children += 1
         self._nodes[key] = node
@@ -130,7 +177,46 @@ class KVCacheManager:
         if self._seq_refs[page] == 0:
             self._num_cached_only += 1
         self._lru[page] = node
+        if self._listener is not None:
+            self._listener.stored(node.view(self.page_size))
         return node
+
+    # ---- listener and flush -------------------------------------------------------------------------------------
+
+    def set_listener(self, listener: CacheListener | None) -> None:
+        """Tell `listener` from now on; it first hears every page cached now, parents before children."""
+        self._listener = listener
+        if listener is not None:
+            for node in self._nodes.values():  # insertion order: a parent is always inserted before its children
+                listener.stored(node.view(self.page_size))
+
+    def publish(self) -> None:
+        """The end of an engine iteration: the listener may hand on what it heard during it."""
+        if self._listener is not None:
+            self._listener.publish()
+
+    def flush(self) -> int:
+        """Drop every cached page no sequence holds (leaves first, until none is left that may go). The listener
+        hears `cleared` when the cache ends empty, else each dropped page. Returns how many were dropped."""
+        dropped: list[_Node] = []
+        while True:
+            leaves = [n for n in self._lru.values() if n.children == 0 and self._seq_refs[n.page] == 0]
+            if not leaves:
+                break
+            for node in leaves:
+                self._drop(node, notify=False)
+            dropped.extend(leaves)
+        if self._listener is not None and dropped:
+            if not self._nodes:
+                self._listener.cleared()
+            else:
+                for node in dropped:
+                    self._listener.removed(node.view(self.page_size))
+        return len(dropped)
+
+    def cached_pages(self) -> list[CachedPage]:
+        """What the prefix cache holds now, parents before children (tests compare listeners with it)."""
+        return [node.view(self.page_size) for node in self._nodes.values()]
 
     # ---- sequences ----------------------------------------------------------------------------------------------
 
@@ -215,6 +301,10 @@ class KVCacheManager:
         size = self.page_size
         full = min(seq.num_computed_tokens // size, len(seq.page_table))
         while chain.num_committed < full:
+            if chain.parent is not None and not chain.parent.alive:
+                # The chain ran through a page another sequence cached (ours stayed private) and that page was
+                # evicted since: its physical page may hold other content now, so nothing may chain off it.
+                break
             i = chain.num_committed
             key = (_parent(chain, seq), tuple(seq.cache_keys(i * size, (i + 1) * size)))
             node = self._nodes.get(key)
@@ -222,7 +312,7 @@ class KVCacheManager:
                 page = seq.page_table[i]
                 if page in self._node_of_page:  # shared page already cached under another chain: stop here
                     break
-                node = self._insert(key, page, chain.parent)
+                node = self._insert(key, page, chain.parent, seq.cache_root)
             # else: an identical page computed by another sequence is cached; ours stays private, and later
             # pages chain off the cached one so they stay reachable.
             self._lru[node.page] = node
@@ -246,13 +336,14 @@ class KVCacheManager:
         size = self.page_size
         index, filled = divmod(seq.num_computed_tokens, size)
         if (not self.enable_prefix_cache or chain is None or filled == 0 or index >= len(seq.page_table)
-                or chain.num_committed != index or seq in self._pending_copies):
+                or chain.num_committed != index or seq in self._pending_copies
+                or (chain.parent is not None and not chain.parent.alive)):
             return
         page = seq.page_table[index]
         key = (_parent(chain, seq), tuple(seq.cache_keys(index * size, index * size + filled)))
         if page in self._node_of_page or key in self._nodes or self._seq_refs[page] != 1:
             return  # already cached, an identical tail is, or another sequence still writes this page
-        self._insert(key, page, chain.parent)
+        self._insert(key, page, chain.parent, seq.cache_root)
 
     def check_invariants(self) -> None:
         """Every page is exactly one of: free, cached only, used (tests call this)."""

@@ -103,7 +103,15 @@ class _Stop:
     pass
 
 
-Command = _Add | _Abort | _Wake | _Stop
+@dataclass(frozen=True)
+class _Call:
+    """Run `fn` on the engine thread between steps (the prefix cache's listener set, a cache flush): what the KV
+    bookkeeping is only touched by that thread. `fn` must not block."""
+
+    fn: Callable[[], None]
+
+
+Command = _Add | _Abort | _Wake | _Stop | _Call
 
 
 def apply_backpressure(lives: Iterable[LiveRequest], bound: int) -> None:

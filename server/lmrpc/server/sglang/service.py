@@ -27,14 +27,17 @@ from lmrpc.server.frontend import Frontend, check_constraint
 from lmrpc.server.lora.errors import AdapterError
 from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.sglang import info, requests, responses
+from lmrpc.server.sglang.kv_events import KvEventLog
+from lmrpc.server.sglang.kv_stream import KvEventStream, LoadReading, StreamEnded
 from lmrpc.server.sglang.tokenizer_dir import TokenizerBundle, write_bundle
 from lmrpc.server.telemetry import CallObserver
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = sgl.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
-KV_EVENTS_MESSAGE = ("KV cache events are not published by lmrpc yet: route with SMG's approximate prefix tree "
-                     "(cache_aware falls back to it)")
+KV_EVENTS_MESSAGE = ("this server runs without a prefix cache (--disable-prefix-cache): it publishes no KV cache "
+                     "events (cache_aware falls back to SMG's approximate prefix tree)")
+FLUSH_POLL = 0.05  # seconds between looks at the engine while FlushCache waits for it to go idle
 
 
 class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
@@ -45,6 +48,8 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
         self._bundle: TokenizerBundle | None = None  # written on first need (the engine's tokenizer is needed)
         self._bundle_lock = asyncio.Lock()
         self._lora_ids: dict[str, str] = {}  # SMG's lora_id -> the adapter's name in lmrpc's registry
+        self._kv_log: KvEventLog | None = None  # the prefix cache's listener, attached at the first subscription
+        self._kv_log_lock = asyncio.Lock()
         self._started = time.time()
 
     @property
@@ -217,18 +222,55 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
                                   pinned=a.name in pinned)
             for a in self.engine.lora.list()])
 
-    # ---- not served ----------------------------------------------------------------------------------------------
+    # ---- KV events and the cache ------------------------------------------------------------------------------
+
+    async def kv_log(self) -> KvEventLog:
+        """The prefix cache's event log, attached to the cache once (it first hears every page cached now)."""
+        async with self._kv_log_lock:
+            if self._kv_log is None:
+                log = KvEventLog(self.frontend.engine_config.cache.page_size)
+                await self.engine.set_cache_listener(log)
+                self._kv_log = log
+            return self._kv_log
+
+    def _load_reading(self) -> LoadReading:
+        return LoadReading(self.frontend.load(), info.waiting_prompt_tokens(self.engine))
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.KvEventBatch]:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, KV_EVENTS_MESSAGE)
-        yield common_pb2.KvEventBatch()  # never reached: makes this a server-streaming handler
+        await self.frontend.check_loaded(context)
+        if not self.frontend.engine_config.cache.enable_prefix_cache:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, KV_EVENTS_MESSAGE)
+        stream = KvEventStream(await self.kv_log(), request, self._load_reading)
+        # The gateway's subscribe call returns once headers arrive; an idle worker may send no batch for a while.
+        await context.send_initial_metadata(())
+        try:
+            async for batch in stream:
+                yield batch
+        except StreamEnded as exc:
+            await context.abort(exc.code, str(exc))
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "lmrpc's prefix cache is not flushed on request: its "
-                                                           "least recently used pages are evicted as others need room")
-        return common_pb2.FlushCacheResponse()
+        """Drop every cached page once no request runs (SGLang's semantics: timeout_s 0 refuses while requests are
+        in flight, else waits up to timeout_s for the engine to go idle). A request admitted meanwhile keeps the
+        pages it holds: only pages no request holds are dropped."""
+        await self.frontend.check_loaded(context)
+        deadline = time.monotonic() + max(request.timeout_s, 0.0)
+        while True:
+            stats = self.engine.stats()
+            busy = stats.num_running + stats.num_waiting
+            if not busy:
+                break
+            if time.monotonic() >= deadline:
+                return common_pb2.FlushCacheResponse(
+                    success=False, message=f"{busy} requests in flight: the cache is flushed once none is (set "
+                                           "timeout_s to wait for them)")
+            await asyncio.sleep(FLUSH_POLL)
+        dropped = await self.engine.flush_cache()
+        return common_pb2.FlushCacheResponse(success=True, message=f"dropped {dropped} cached pages")
+
+    # ---- not served ----------------------------------------------------------------------------------------------
 
     async def Embed(self, request: sgl.EmbedRequest, context: grpc.aio.ServicerContext) -> sgl.EmbedResponse:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "lmrpc serves generation models only: no embeddings")
