@@ -1,6 +1,6 @@
 """An SMG GenerateRequest -> lmrpc's typed request: the prompt ids, the sampling parameters resolved by validation.py's
-shared rules (`resolve_sampling`, the same defaults, bounds and messages as GenerateService), logprob options, and
-one `EngineRequest` per output (n samples of the one prompt).
+shared rules (`resolve_sampling`, the same defaults, bounds and messages as GenerateService) and logprob options;
+the service makes its prompt plan of them (pipeline/fanout.py: n samples of the one prompt).
 
 SMG's SamplingParams are proto3 scalars without presence: the gateway fills what a request left unset with
 SGLang's semantic defaults (temperature 1, top_p 1, top_k -1, repetition_penalty 1) after applying the worker's
@@ -12,13 +12,13 @@ unset, i.e. the worker's default; `max_new_tokens` has presence, and absent mean
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from smg_grpc_proto import sglang_scheduler_pb2 as sgl
 
 from lmrpc.server import validation
 from lmrpc.server.config import RequestLimits
-from lmrpc.server.protocol import EngineRequest, LogprobOptions, ModelInfo, SamplingParams
+from lmrpc.server.protocol import LogprobOptions, ModelInfo, SamplingParams
 from lmrpc.v1 import generate_pb2
 
 INT32_MAX = 2**31 - 1  # lmrpc.v1's counts are int32; SMG's are uint32 (a larger value is refused by the bounds)
@@ -128,15 +128,3 @@ def translate(req: sgl.GenerateRequest, info: ModelInfo, limits: RequestLimits, 
         logprobs = LogprobOptions(start_len=req.logprob_start_len, top_k=req.top_logprobs_num,
                                   token_ids=tuple(req.token_ids_logprob))
     return Translated(tuple(prompt), params, logprobs)
-
-
-def engine_requests(rid: str, t: Translated) -> list[EngineRequest]:
-    """One EngineRequest per sample (index = sample); samples 1..n-1 reuse sample 0's prompt pages, as
-    GenerateService's do. Their request ids are the rid (n == 1) or "rid/i", so Abort by the rid ends them all."""
-    n = t.params.n
-    return [
-        EngineRequest(request_id=rid if n == 1 else f"{rid}/{s}", rid=rid, index=s, prompt_ids=t.prompt,
-                      params=replace(t.params, seed=None), logprobs=t.logprobs,
-                      share_prefill_with=None if s == 0 else f"{rid}/0")
-        for s in range(n)
-    ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as sgl
 
+from lmrpc.server.pipeline.gather import Gathered
 from lmrpc.server.protocol import EngineOutput, Finish, FinishReason, PositionLogprobs, TokenLogprob
 
 _REASONS = {FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}  # every other reason is "stop"
@@ -59,14 +60,11 @@ def input_logprobs(positions: Sequence[PositionLogprobs]) -> sgl.InputLogProbs |
 
 
 @dataclass
-class OutputState:
-    """What one output index has produced so far."""
+class OutputState(Gathered):
+    """What one output index has produced so far (pipeline/gather.py), and where it stands in the call."""
 
-    index: int  # the output index (sample) in the call
-    prompt_tokens: int  # the prompt's length
-    token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
-    input_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    index: int = field(kw_only=True)  # the output index (sample) in the call
+    prompt_tokens: int = field(kw_only=True)  # the prompt's length
 
 
 def _complete(rid: str, state: OutputState, out: EngineOutput, finish: Finish) -> sgl.GenerateResponse:
@@ -89,9 +87,7 @@ def _complete(rid: str, state: OutputState, out: EngineOutput, finish: Finish) -
 def responses(rid: str, state: OutputState, out: EngineOutput, stream: bool) -> list[sgl.GenerateResponse]:
     """The messages one delta of `state`'s output makes (after adding it to `state`). Raises OutputFailed for an
     engine error."""
-    state.token_ids.extend(out.token_ids)
-    state.output_logprobs.extend(out.output_logprobs)
-    state.input_logprobs.extend(out.input_logprobs)
+    state.add(out)
     msgs: list[sgl.GenerateResponse] = []
     if stream and (out.token_ids or out.input_logprobs):
         msgs.append(sgl.GenerateResponse(request_id=rid, chunk=sgl.GenerateStreamChunk(

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -26,6 +25,8 @@ from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend, check_constraint
 from lmrpc.server.lora.errors import AdapterError
 from lmrpc.server.lora.registry import LoadedAdapter
+from lmrpc.server.pipeline.fanout import PromptPlan, engine_requests
+from lmrpc.server.protocol import EngineRequest
 from lmrpc.server.sglang import info, requests, responses
 from lmrpc.server.sglang.kv_events import KvEventLog
 from lmrpc.server.sglang.kv_stream import KvEventStream, LoadReading, StreamEnded
@@ -88,7 +89,8 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
             return
         async with self.frontend.admitted(context, built) as admitted:
             call.queued(admitted)
-            states = {r.request_id: responses.OutputState(r.index, len(r.prompt_ids)) for r in admitted}
+            states = {r.request_id: responses.OutputState(index=r.index, prompt_tokens=len(r.prompt_ids))
+                      for r in admitted}
             async for out in self.engine.generate(admitted):
                 call.output(out)
                 try:
@@ -98,7 +100,7 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
                 for msg in messages:
                     yield msg
 
-    async def _build(self, request: sgl.GenerateRequest, rid: str) -> list[requests.EngineRequest]:
+    async def _build(self, request: sgl.GenerateRequest, rid: str) -> list[EngineRequest]:
         """The request checked (validation.py's rules), its constraint compiled and its adapter resolved."""
         frontend = self.frontend
         config = frontend.engine_config
@@ -115,8 +117,9 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
             params = await check_constraint(self.engine, params,
                                             requests.sampling_field(params.constraint.kind))
         adapter = await self._adapter(request.lora_id)
-        built = requests.engine_requests(rid, replace(translated, params=params))
-        return built if adapter is None else [replace(r, adapter=adapter) for r in built]
+        # One prompt, n samples (ids "rid/s" for n > 1, so Abort by rid ends them all); SMG never sends a seed.
+        return engine_requests([PromptPlan(request_id=rid, rid=rid, prompt_ids=translated.prompt, params=params,
+                                           samples=params.n, logprobs=translated.logprobs, adapter=adapter)])
 
     async def _adapter(self, lora_id: str) -> LoadedAdapter | None:
         """The adapter SMG's lora_id names ("": the base model): an id minted at LoadLoRAAdapter, else an adapter's
