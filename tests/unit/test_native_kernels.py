@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmrpc.kernels import native, packing
+from lmrpc.kernels import gguf_blocks, native, packing
 from lmrpc.kernels.native_attention import NativeAttention
 from lmrpc.kernels.packing import Compute, PackedWeight
 from lmrpc.kernels.paged import AttentionShape, ChunkSpec, QKNorm, Rope
@@ -167,7 +167,7 @@ def test_gguf_blocks_are_repacked_code_for_code() -> None:
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     d, m = torch.rand(n, k // 32, generator=g).half().float(), -torch.rand(n, k // 32, generator=g).half().float()
-    p = packing.pack_gguf(packing.GGUF_Q4_1, gguf_q4_1_blocks(codes, d, m), n, k)
+    p = gguf_blocks.pack_gguf(gguf_blocks.Q4_1, gguf_q4_1_blocks(codes, d, m), n, k)
     assert p.label == "q4_1"
     expected = torch.addcmul(m.repeat_interleave(32, 1), codes.float(), d.repeat_interleave(32, 1))
     assert torch.equal(packing.dequantize(p), expected)
@@ -177,7 +177,7 @@ def test_gguf_blocks_are_repacked_code_for_code() -> None:
     q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     raw = np.concatenate([d.half().numpy().view(np.uint8).reshape(n, k // 32, 2),
                           q8.numpy().view(np.uint8).reshape(n, k // 32, 32)], axis=-1).reshape(n, -1)
-    p8 = packing.pack_gguf(packing.GGUF_Q8_0, raw, n, k)
+    p8 = gguf_blocks.pack_gguf(gguf_blocks.Q8_0, raw, n, k)
     assert p8.label == "q8_0"
     assert torch.equal(packing.dequantize(p8), q8.float() * d.repeat_interleave(32, 1))
 

@@ -8,8 +8,11 @@ Quantized weights keep integer codes with float32 scales (and offsets) per group
 - Q4: 4-bit codes in groups of 32, value `(q - 8) * scale` (GGUF Q4_0, "signed") or `q * scale + offset` (Q4_1 and
   our own asymmetric int4). A GGUF file's Q4_0/Q4_1 blocks are repacked code for code, never dequantized, so a
   model is served with exactly its own weights.
-- Q8: signed 8-bit codes, value `q * scale`, in groups of 32 (GGUF Q8_0) or one group per output row (our own int8
-  per-channel quantization).
+- Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0, Q5_0 and Q5_1: their 5-bit
+  codes held in 8 bits), 16 (GGUF Q6_K) or one group per output row (our own int8 per-channel quantization).
+- GGUF K-quants (Q4_K as Q4, Q5_K and Q6_K as Q8) keep the file's scales as they are (`KScales`: per super-block
+  fp16 d and dmin, per group 8-bit sc and m); the kernels fold each group with d * sc and -(dmin * m), exact in
+  float32. gguf_blocks.py reads every GGUF block format into these layouts.
 
 Everything here is plain torch on the host, run once at load.
 """
@@ -17,9 +20,9 @@ Everything here is plain torch on the host, run once at load.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 TILE = 16  # outputs per tile
@@ -43,6 +46,22 @@ class Compute(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class KScales:
+    """GGUF K-quant scales as the file stores them, tiled like PackedWeight's scales (csrc/linear.h's KScales):
+    group g's scale is d * sc and its offset -(dmin * m), d and dmin those of its super-block."""
+
+    d: torch.Tensor  # [n_pad / 32, supers, 2, 16] float16
+    dmin: torch.Tensor | None  # as d, or None (no offsets: Q6_K)
+    sc: torch.Tensor  # [n_pad / 32, groups, 2, 16] uint8 (int8 when signed: Q6_K)
+    m: torch.Tensor | None  # as sc (uint8), or None
+    super_groups: int  # groups per super-block
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.d, self.dmin, self.sc, self.m) if t is not None]
+
+
+@dataclass(frozen=True)
 class PackedWeight:
     """A weight [n, k] in the kernels' layout (see the module doc)."""
 
@@ -53,7 +72,9 @@ class PackedWeight:
     q4_signed: bool  # Q4 codes are offset by 8 (GGUF Q4_0) instead of carrying offsets
     data: torch.Tensor  # packed codes or values (uint8, int8, bfloat16 or float32)
     scale: torch.Tensor | None  # [n_pad / 32, groups, 2, 16] float16 (quantized), else None
-    offset: torch.Tensor | None  # [n_pad / 32, groups, 2, 16] float16 (Q4 with offsets), else None
+    offset: torch.Tensor | None  # [n_pad / 32, groups, 2, 16] float16 (with offsets), else None
+    kscales: KScales | None = None  # GGUF K-quants: scales and offsets from these (scale and offset None)
+    name: str | None = None  # the GGUF format the codes came from, where the layout does not tell (q5_0, q4_k)
 
     @property
     def quantized(self) -> bool:
@@ -61,7 +82,12 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.offset) if t is not None)
+        tensors = [self.data, self.scale, self.offset, *(self.kscales.tensors if self.kscales else [])]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @property
+    def has_offsets(self) -> bool:
+        return self.offset is not None or (self.kscales is not None and self.kscales.dmin is not None)
 
     @property
     def n_pad(self) -> int:
@@ -76,7 +102,9 @@ class PackedWeight:
     @property
     def label(self) -> str:
         """The weight's format by name: f32, bf16, q4_0, q4_1 (4-bit with offsets), q8_0 (8-bit in groups of 32)
-        or int8 (8-bit per output channel)."""
+        or int8 (8-bit per output channel); GGUF formats held in these layouts by their own name (q5_0, q6_k)."""
+        if self.name is not None:
+            return self.name
         if self.format == WeightFormat.Q4:
             return "q4_0" if self.q4_signed else "q4_1"
         if self.format == WeightFormat.Q8:
@@ -107,15 +135,58 @@ def _untile(data: torch.Tensor) -> torch.Tensor:
 
 
 def _group_tiles(per_group: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """[n, groups] (values representable in float16) -> [n_pad / 32, groups, 2, 16] float16."""
-    padded = _pad(per_group.half(), n_pad, per_group.shape[1])
+    """[n, groups] (values representable in float16; 8-bit integers kept as they are) -> [n_pad / 32, groups, 2, 16]
+    float16 (or the integers' dtype)."""
+    if per_group.dtype not in (torch.uint8, torch.int8):
+        per_group = per_group.half()
+    padded = _pad(per_group, n_pad, per_group.shape[1])
     return padded.view(n_pad // PAIR_TILES, 2, TILE, -1).permute(0, 3, 1, 2).contiguous()
+
+
+def _untiled(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of _group_tiles, cut to n rows, in the stored dtype: [n, groups]."""
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])[:n]
 
 
 def _per_group(t: torch.Tensor | None, n: int) -> torch.Tensor:
     """The inverse of _group_tiles, cut to n rows: [n, groups] float32."""
     assert t is not None
-    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])[:n].float()
+    return _untiled(t, n).float()
+
+
+def pack_kscales(d: torch.Tensor, dmin: torch.Tensor | None, sc: torch.Tensor, m: torch.Tensor | None,
+                 super_groups: int) -> KScales:
+    """K-quant scales from per-row tensors: d, dmin [n, supers] (fp16 values), sc, m [n, groups] (8-bit)."""
+    n_pad = _round_up(d.shape[0], PAIR_TILES)
+    return KScales(_group_tiles(d, n_pad), None if dmin is None else _group_tiles(dmin, n_pad),
+                   _group_tiles(sc, n_pad), None if m is None else _group_tiles(m, n_pad), super_groups)
+
+
+def kscale_rows(ks: KScales, n: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """The inverse of pack_kscales, cut to n rows (stored dtypes)."""
+    return (_untiled(ks.d, n), None if ks.dmin is None else _untiled(ks.dmin, n), _untiled(ks.sc, n),
+            None if ks.m is None else _untiled(ks.m, n))
+
+
+def _kscales_map(ks: KScales, n: int, change: Callable[[torch.Tensor], torch.Tensor]) -> KScales:
+    """K-scales with `change` applied to each per-row tensor (rows reordered, stacked)."""
+    d, dmin, sc, m = kscale_rows(ks, n)
+    return pack_kscales(change(d), None if dmin is None else change(dmin), change(sc),
+                        None if m is None else change(m), ks.super_groups)
+
+
+def group_scales(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each group's scale and offset, float32 [n_pad, groups], as the kernels fold them (K-quants: d * sc and
+    -(dmin * m), exact products)."""
+    n_pad = p.n_pad
+    if p.kscales is None:
+        return _per_group(p.scale, n_pad), None if p.offset is None else _per_group(p.offset, n_pad)
+    d, dmin, sc, m = kscale_rows(p.kscales, n_pad)
+    per = p.kscales.super_groups
+    scale = d.float().repeat_interleave(per, dim=1) * sc.float()
+    if dmin is None or m is None:
+        return scale, None
+    return scale, -(dmin.float().repeat_interleave(per, dim=1) * m.float())
 
 
 def pack_dense(weight: torch.Tensor) -> PackedWeight:
@@ -128,36 +199,63 @@ def pack_dense(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(fmt, n, k, k_pad, False, _tiles(_pad(weight, n_pad, k_pad)), None, None)
 
 
-def pack_q8(codes: torch.Tensor, scale: torch.Tensor, group: int) -> PackedWeight:
-    """int8 codes [n, k] with float scales [n, k_pad / group]: value q * scale."""
-    n, k = codes.shape
+def _q8_data(codes: torch.Tensor, group: int) -> torch.Tensor:
     if group % 4:
         raise ValueError("Q8 groups are multiples of 4 inputs")
-    n_pad, k_pad = _round_up(n, PAIR_TILES), _round_up(k, group)
-    if scale.shape != (n, k_pad // group):
-        raise ValueError(f"scale must be [{n}, {k_pad // group}], got {list(scale.shape)}")
-    data = _tiles(_pad(codes.to(torch.int8), n_pad, k_pad))
-    return PackedWeight(WeightFormat.Q8, n, k, group, False, data, _group_tiles(scale, n_pad), None)
+    n, k = codes.shape
+    return _tiles(_pad(codes.to(torch.int8), _round_up(n, PAIR_TILES), _round_up(k, group)))
+
+
+def _q4_data(codes: torch.Tensor, signed: bool) -> torch.Tensor:
+    n, k = codes.shape
+    n_pad, k_pad = _round_up(n, PAIR_TILES), _round_up(k, Q4_GROUP)
+    groups = k_pad // Q4_GROUP
+    padded = _pad(codes.to(torch.uint8), n_pad, k_pad)
+    if signed:
+        padded[n:, :] = 8  # padding decodes to 0 either way; 8 keeps Q4_0 rows at exactly zero
+        padded[:n, k:] = 8
+    # [pair, tile, o, group, kpair j (16), e] -> [pair, group, tile, j, o, e]; per tile, chunk c's bytes hold kpair 2c
+    # (low nibble) and kpair 2c + 1 (high nibble) at byte 2 * o + e, so a chunk yields kpairs in order.
+    v = padded.view(n_pad // PAIR_TILES, 2, TILE, groups, Q4_GROUP // 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return (v[:, :, :, 0::2] | (v[:, :, :, 1::2] << 4)).contiguous()  # [pair, group, tile, 8, 16, 2]: 256 B a tile
+
+
+def _check_groups(name: str, t: torch.Tensor | None, n: int, groups: int) -> None:
+    if t is not None and t.shape != (n, groups):
+        raise ValueError(f"{name} must be [{n}, {groups}], got {list(t.shape)}")
+
+
+def pack_q8(codes: torch.Tensor, scale: torch.Tensor, group: int, offset: torch.Tensor | None = None,
+            name: str | None = None) -> PackedWeight:
+    """int8 codes [n, k] with float scales (and offsets) [n, k_pad / group]: value q * scale (+ offset)."""
+    n, k = codes.shape
+    groups = _round_up(k, group) // group
+    _check_groups("scale", scale, n, groups)
+    _check_groups("offset", offset, n, groups)
+    n_pad = _round_up(n, PAIR_TILES)
+    return PackedWeight(WeightFormat.Q8, n, k, group, False, _q8_data(codes, group), _group_tiles(scale, n_pad),
+                        None if offset is None else _group_tiles(offset, n_pad), name=name)
 
 
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> PackedWeight:
     """4-bit codes [n, k] (uint8 0..15) in groups of 32 with scales [n, groups] and, for Q4_1, offsets [n, groups]
     (value q * scale + offset); without offsets, Q4_0 (value (q - 8) * scale)."""
     n, k = codes.shape
-    n_pad, k_pad = _round_up(n, PAIR_TILES), _round_up(k, Q4_GROUP)
-    groups = k_pad // Q4_GROUP
-    if scale.shape != (n, groups) or (offset is not None and offset.shape != (n, groups)):
-        raise ValueError(f"scale and offset must be [{n}, {groups}]")
-    padded = _pad(codes.to(torch.uint8), n_pad, k_pad)
-    if offset is None:
-        padded[n:, :] = 8  # padding decodes to 0 either way; 8 keeps Q4_0 rows at exactly zero
-        padded[:n, k:] = 8
-    # [pair, tile, o, group, kpair j (16), e] -> [pair, group, tile, j, o, e]; per tile, chunk c's bytes hold kpair 2c
-    # (low nibble) and kpair 2c + 1 (high nibble) at byte 2 * o + e, so a chunk yields kpairs in order.
-    v = padded.view(n_pad // PAIR_TILES, 2, TILE, groups, Q4_GROUP // 2, 2).permute(0, 3, 1, 4, 2, 5)
-    data = (v[:, :, :, 0::2] | (v[:, :, :, 1::2] << 4)).contiguous()  # [pair, group, tile, 8, 16, 2]: 256 B a tile
-    return PackedWeight(WeightFormat.Q4, n, k, Q4_GROUP, offset is None, data, _group_tiles(scale, n_pad),
-                        None if offset is None else _group_tiles(offset, n_pad))
+    groups = _round_up(k, Q4_GROUP) // Q4_GROUP
+    _check_groups("scale", scale, n, groups)
+    _check_groups("offset", offset, n, groups)
+    n_pad = _round_up(n, PAIR_TILES)
+    return PackedWeight(WeightFormat.Q4, n, k, Q4_GROUP, offset is None, _q4_data(codes, offset is None),
+                        _group_tiles(scale, n_pad), None if offset is None else _group_tiles(offset, n_pad))
+
+
+def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales, name: str) -> PackedWeight:
+    """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32) or Q8 (int8 codes)."""
+    n, k = codes.shape
+    if kscales.sc.shape[1] != _round_up(k, group) // group or k % (group * kscales.super_groups):
+        raise ValueError("K-quant scales must cover whole super-blocks of the weight's groups")
+    data = _q4_data(codes, False) if fmt == WeightFormat.Q4 else _q8_data(codes, group)
+    return PackedWeight(fmt, n, k, group, False, data, None, None, kscales, name)
 
 
 # ---- our own quantization of dense weights ---------------------------------------------------------------------
@@ -190,45 +288,18 @@ def quantize_int4(weight: torch.Tensor) -> PackedWeight:
     return pack_q4(codes.view(n, k_pad)[:, :k], scale, lo)
 
 
-# ---- GGUF blocks ---------------------------------------------------------------------------------------------
-
-GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0 = 2, 3, 8  # ggml type ids
-GGUF_BLOCK_BYTES = {GGUF_Q4_0: 18, GGUF_Q4_1: 20, GGUF_Q8_0: 34}
-
-
-def _halves(raw: np.ndarray) -> torch.Tensor:
-    """[..., 2] uint8 little-endian fp16 -> float32 [...]."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
-
-
-def pack_gguf(ggml_type: int, raw: np.ndarray, n: int, k: int) -> PackedWeight:
-    """A GGUF tensor's blocks (uint8 [n, k / 32 * block bytes]) repacked code for code."""
-    if ggml_type not in GGUF_BLOCK_BYTES:
-        raise ValueError(f"no kernel for ggml type {ggml_type}")
-    if k % 32:
-        raise ValueError("GGUF block formats need k divisible by 32")
-    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, GGUF_BLOCK_BYTES[ggml_type])
-    scale = _halves(blocks[..., 0:2])  # [n, groups] (float16 values, stored as such)
-    if ggml_type == GGUF_Q8_0:
-        codes = torch.from_numpy(blocks[..., 2:].view(np.int8).copy()).reshape(n, k)
-        return pack_q8(codes, scale, 32)
-    offset = _halves(blocks[..., 2:4]) if ggml_type == GGUF_Q4_1 else None
-    qs = torch.from_numpy((blocks[..., 4:] if ggml_type == GGUF_Q4_1 else blocks[..., 2:]).copy())
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k)  # element j low nibble, j + 16 high nibble
-    return pack_q4(codes, scale, offset)
-
-
 def dequantize(p: PackedWeight) -> torch.Tensor:
-    """The float32 weight [n, k] a packed weight stands for (the reference the kernels are tested against)."""
+    """The float32 weight [n, k] a packed weight stands for (the reference the kernels are tested against):
+    q * scale (+ offset), as gguf's dequantize computes it."""
     codes = _padded_codes(p).float()  # [n_pad, k_pad]
     if p.format == WeightFormat.Q4 and p.q4_signed:
         codes = codes - 8
     if not p.quantized:
         return codes[: p.n, : p.k].contiguous()
-    per_elem = _per_group(p.scale, codes.shape[0]).repeat_interleave(p.group, dim=1)
-    values = codes * per_elem
-    if p.offset is not None:
-        values = torch.addcmul(_per_group(p.offset, codes.shape[0]).repeat_interleave(p.group, dim=1), codes, per_elem)
+    scale, offset = group_scales(p)
+    values = codes * scale.repeat_interleave(p.group, dim=1)  # exact: small integers times scales
+    if offset is not None:
+        values = values + offset.repeat_interleave(p.group, dim=1)
     return values[: p.n, : p.k].contiguous()
 
 
@@ -244,8 +315,13 @@ def _padded_codes(p: PackedWeight) -> torch.Tensor:
 def stackable(parts: list[PackedWeight]) -> bool:
     """Whether concat_rows can stack these: one format, width and grouping."""
     first = parts[0]
-    return all(p.format == first.format and p.k == first.k and p.group == first.group
-               and p.q4_signed == first.q4_signed and (p.offset is None) == (first.offset is None) for p in parts)
+
+    def kind(p: PackedWeight) -> tuple[object, ...]:
+        ks = p.kscales
+        k_kind = None if ks is None else (ks.super_groups, ks.sc.dtype, ks.dmin is None)
+        return (p.format, p.k, p.group, p.q4_signed, p.offset is None, p.label, k_kind)
+
+    return all(kind(p) == kind(first) for p in parts)
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -257,21 +333,31 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     first = parts[0]
     if not first.quantized:
         return pack_dense(torch.cat([_dense_values(p) for p in parts]))
-    codes = torch.cat([_codes(p) for p in parts])
+    codes = torch.cat([codes_of(p) for p in parts])
+    if first.kscales is not None:
+        rows = [kscale_rows(p.kscales, p.n) for p in parts if p.kscales is not None]
+        d, dmin, sc, m = (None if r[0] is None else torch.cat(list(r)) for r in zip(*rows, strict=True))
+        assert d is not None and sc is not None
+        ks = pack_kscales(d, dmin, sc, m, first.kscales.super_groups)
+        return pack_k(first.format, codes, first.group, ks, first.label)
     scale = torch.cat([_per_group(p.scale, p.n) for p in parts])
-    if first.format == WeightFormat.Q8:
-        return pack_q8(codes, scale, first.group)
-    offsets = [p.offset for p in parts]
-    offset = None if offsets[0] is None else torch.cat([_per_group(o, p.n) for o, p in zip(offsets, parts,
-                                                                                          strict=True)])
-    return replace(pack_q4(codes, scale, offset), q4_signed=first.q4_signed)
+    offset = None if first.offset is None else torch.cat([_per_group(p.offset, p.n) for p in parts])
+    return _repack(first, codes, scale, offset)
+
+
+def _repack(like: PackedWeight, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+            ) -> PackedWeight:
+    """Codes and per-group scales in `like`'s format (fp16 scales)."""
+    if like.format == WeightFormat.Q8:
+        return pack_q8(codes, scale, like.group, offset, like.name)
+    return replace(pack_q4(codes, scale, offset), q4_signed=like.q4_signed, name=like.name)
 
 
 def _dense_values(p: PackedWeight) -> torch.Tensor:
     return _untile(p.data)[: p.n, : p.k]
 
 
-def _codes(p: PackedWeight) -> torch.Tensor:
+def codes_of(p: PackedWeight) -> torch.Tensor:
     """The integer codes [n, k] of a quantized weight."""
     return _padded_codes(p)[: p.n, : p.k]
 
@@ -280,9 +366,8 @@ def permute_rows(p: PackedWeight, order: torch.Tensor) -> PackedWeight:
     """Rows reordered: row i of the result is row order[i] (GGUF stores q and k rows in llama.cpp's RoPE order)."""
     if not p.quantized:
         return pack_dense(_dense_values(p)[order])
-    codes = _codes(p)[order]
-    scale = _per_group(p.scale, p.n)[order]
-    if p.format == WeightFormat.Q8:
-        return pack_q8(codes, scale, p.group)
+    codes = codes_of(p)[order]
+    if p.kscales is not None:
+        return pack_k(p.format, codes, p.group, _kscales_map(p.kscales, p.n, lambda t: t[order]), p.label)
     offset = None if p.offset is None else _per_group(p.offset, p.n)[order]
-    return replace(pack_q4(codes, scale, offset), q4_signed=p.q4_signed)
+    return _repack(p, codes, _per_group(p.scale, p.n)[order], offset)

@@ -100,7 +100,7 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
   } else {
     in->f32.resize(a.m * kp);
   }
-  if (w.offset != nullptr && !int8) in->sums.resize(a.m * groups);
+  if (w.has_offsets() && !int8) in->sums.resize(a.m * groups);
   const int64_t parts = a.m >= 8 ? omp_get_max_threads() : 1;
   // Many rows: the bf16 codes bypass the caches on their way out. Between two products the previous one's weights
   // have evicted this buffer, so ordinary stores would first wait on each line's old contents from memory: in a
@@ -127,7 +127,7 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
       } else {
         std::memcpy(in->f32.data() + i * kp, row, kp * sizeof(float));  // with its zero padding
       }
-      if (w.offset != nullptr) {
+      if (w.has_offsets()) {
         for (int64_t g = 0; g < groups; ++g) {
           float sum = 0.0f;
           for (int64_t j = g * w.group; j < (g + 1) * w.group; ++j) sum += row[j];
@@ -141,24 +141,32 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
   }
 }
 
-// W[n, k], dequantized, read from the packed weight (weight_rows).
+// W[n, k], dequantized, read from the packed weight (weight_rows): q * scale + offset, as gguf's dequantize
+// computes it (Q4_0: (q - 8) * scale).
 float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
   const int64_t pair = n / 32, t = (n / 16) % 2, o = n % 16, kp = w.k_pad / 2, groups = w.k_pad / w.group;
   const int64_t j = k / 2, lane = 2 * o + k % 2, g = k / w.group;
-  const int64_t vector = (pair * kp + j) * 2 + t, scale = (pair * groups + g) * 32 + 16 * t + o;
+  const int64_t vector = (pair * kp + j) * 2 + t;
   switch (w.format) {
     case WeightFormat::F32:
       return static_cast<const float*>(w.data)[vector * 32 + lane];
     case WeightFormat::BF16:
       return bf16_to_f32(static_cast<const uint16_t*>(w.data)[vector * 32 + lane]);
     case WeightFormat::Q8:
-      return static_cast<float>(static_cast<const int8_t*>(w.data)[vector * 32 + lane]) * half_to_f32(w.scale[scale]);
     case WeightFormat::Q4: {
-      const int64_t jg = j % 16;
-      const uint8_t byte = static_cast<const uint8_t*>(w.data)[((pair * groups + g) * 2 + t) * 256 + 32 * (jg / 2) + lane];
-      const int q = q4_value(jg % 2 == 0 ? byte & 15 : byte >> 4, w.q4_signed);
-      const float m = w.offset != nullptr ? half_to_f32(w.offset[scale]) : 0.0f;
-      return std::fma(static_cast<float>(q), half_to_f32(w.scale[scale]), m);
+      int q;
+      if (w.format == WeightFormat::Q8) {
+        q = static_cast<const int8_t*>(w.data)[vector * 32 + lane];
+      } else {
+        const int64_t jg = j % 16;
+        const uint8_t byte =
+            static_cast<const uint8_t*>(w.data)[((pair * groups + g) * 2 + t) * 256 + 32 * (jg / 2) + lane];
+        q = q4_value(jg % 2 == 0 ? byte & 15 : byte >> 4, w.q4_signed);
+      }
+      const GroupWeights gw = group_weights(w, pair, groups, g, nullptr);
+      const int l = static_cast<int>(16 * t + o);
+      const float v = static_cast<float>(q) * lane_scale(gw, l);
+      return gw.has_offset() ? v + lane_offset(gw, l) : v;
     }
   }
   return 0.0f;

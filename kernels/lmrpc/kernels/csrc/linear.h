@@ -10,7 +10,21 @@ enum class WeightFormat : int32_t {
   F32 = 0,   // float32 values
   BF16 = 1,  // bfloat16 values
   Q4 = 2,    // 4-bit codes q in groups of 32, value (q - 8 if q4_signed else q) * scale + offset
-  Q8 = 3,    // signed 8-bit codes in groups of `group` elements, value q * scale
+  Q8 = 3,    // signed 8-bit codes in groups of `group` elements, value q * scale (+ offset)
+};
+
+// GGUF K-quant scales (Q4_K, Q5_K, Q6_K), kept as the file stores them instead of as one float per group: per
+// output and super-block of `super_groups` groups, fp16 d (and dmin); per output and group, 8-bit multipliers sc
+// (and m). A group's scale is d * sc and its offset -(dmin * m), both computed in float32 where a group is folded:
+// exact (an fp16 significand times an 8-bit integer fits float32's), so they are gguf's dequantize values to the
+// bit. A float32 per group would cost 2 bits per weight more than the file (Q4_K: 6 instead of 4.5); these, 0.625.
+struct KScales {
+  const uint16_t* d = nullptr;     // fp16 [n_pad / 32][supers][2][16], or null (scales are PackedWeight::scale)
+  const uint16_t* dmin = nullptr;  // fp16 [n_pad / 32][supers][2][16], or null (no offsets)
+  const uint8_t* sc = nullptr;     // [n_pad / 32][groups][2][16]: uint8, or int8 when sc_signed
+  const uint8_t* m = nullptr;      // [n_pad / 32][groups][2][16] uint8, or null
+  int64_t super_groups = 1;        // groups per super-block
+  bool sc_signed = false;          // Q6_K's multipliers are signed
 };
 
 // How activations enter the products: rounded to bfloat16 (AVX512-BF16 dot products, float32 sums), or float32.
@@ -32,6 +46,7 @@ struct PackedWeight {
   const uint16_t* scale;   // quantized: fp16 [n_pad / 32][groups][2][16]; dense: null
   const uint16_t* offset;  // Q4 with offsets: fp16, laid out as scale; else null
   const float* bias;     // [n] or null
+  KScales ks;            // K-quant scales (ks.d non-null), instead of `scale` and `offset`
   // Quantized weights with bfloat16 products: the codes once more, expanded to bfloat16 values (exact: small
   // integers) in the BF16 layout, or null. Products over many rows read these instead of expanding the codes on
   // every call; the sums and their order are the same, so the results are too (2 bytes per weight more memory).
@@ -40,6 +55,10 @@ struct PackedWeight {
   // pair and group 512 bytes: for quad q < 4, tile t, output o, byte e: the code of k = 4q + e in the low nibble
   // and of k = 4(q + 4) + e in the high nibble (at (q * 2 + t) * 64 + 4 * o + e). Else null.
   const uint8_t* vnni = nullptr;
+
+  bool k_scaled() const { return ks.d != nullptr; }
+  // Whether groups carry offsets (the products then need each row's group sums).
+  bool has_offsets() const { return offset != nullptr || ks.dmin != nullptr; }
 };
 
 // What happens to each input row before it enters the products.

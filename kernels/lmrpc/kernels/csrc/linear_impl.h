@@ -143,9 +143,57 @@ void expand_q8(const int8_t* src, int64_t vectors, T* dst) {
 
 struct GroupWeights {
   const void* w;        // [kpairs][2][32] values
-  const uint16_t* scale;   // fp16 [2][16], or null (dense)
+  const uint16_t* scale;   // fp16 [2][16], or null (dense, or K-scaled)
   const uint16_t* offset;  // fp16 [2][16], or null
+  // K-scaled weights (KScales): d and dmin of the group's super-block and the group's sc and m, each [2][16]
+  const uint16_t* kd = nullptr;
+  const uint16_t* kdmin = nullptr;
+  const uint8_t* ksc = nullptr;
+  const uint8_t* km = nullptr;
+  bool ksigned = false;
+  bool has_offset() const { return offset != nullptr || kdmin != nullptr; }
 };
+
+// Group g of tile pair `pair`: its values and where its scales and offsets are.
+inline GroupWeights group_weights(const PackedWeight& w, int64_t pair, int64_t groups, int64_t g, const void* values) {
+  const int64_t at = (pair * groups + g) * 32;
+  if (!w.k_scaled()) return {values, w.scale + at, w.offset != nullptr ? w.offset + at : nullptr};
+  const int64_t sg = w.ks.super_groups, sat = (pair * (groups / sg) + g / sg) * 32;
+  GroupWeights gw{values, nullptr, nullptr};
+  gw.kd = w.ks.d + sat;
+  gw.kdmin = w.ks.dmin != nullptr ? w.ks.dmin + sat : nullptr;
+  gw.ksc = w.ks.sc + at;
+  gw.km = w.ks.m != nullptr ? w.ks.m + at : nullptr;
+  gw.ksigned = w.ks.sc_signed;
+  return gw;
+}
+
+// Lane l (16 * tile + output) of a group's scale and offset, float32: K-scaled, d * sc and -(dmin * m), exact.
+inline float lane_scale(const GroupWeights& gw, int l) {
+  if (gw.kd == nullptr) return half_to_f32(gw.scale[l]);
+  const float sc = gw.ksigned ? static_cast<float>(static_cast<int8_t>(gw.ksc[l])) : static_cast<float>(gw.ksc[l]);
+  return half_to_f32(gw.kd[l]) * sc;
+}
+inline float lane_offset(const GroupWeights& gw, int l) {
+  if (gw.kd == nullptr) return half_to_f32(gw.offset[l]);
+  return -(half_to_f32(gw.kdmin[l]) * static_cast<float>(gw.km[l]));
+}
+
+#if LMRPC_AVX512
+// Tile t's 16 scales and offsets, as lane_scale and lane_offset compute them.
+inline __m512 scale_x16(const GroupWeights& gw, int t) {
+  if (gw.kd == nullptr) return load_halfx16(gw.scale + 16 * t);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.ksc + 16 * t));
+  const __m512i sc = gw.ksigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  return _mm512_mul_ps(load_halfx16(gw.kd + 16 * t), _mm512_cvtepi32_ps(sc));
+}
+inline __m512 offset_x16(const GroupWeights& gw, int t) {
+  if (gw.kd == nullptr) return load_halfx16(gw.offset + 16 * t);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.km + 16 * t));
+  const __m512 dm = _mm512_mul_ps(load_halfx16(gw.kdmin + 16 * t), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32(INT32_MIN)));  // -dm
+}
+#endif
 
 // Offsets of tile pair p, group g in the packed arrays.
 struct PairIndex {
@@ -184,7 +232,7 @@ struct ExpandSource {
   GroupWeights group(int64_t g) const {
     T* slot = buffer + (g % 2) * at.gkp * 64;
     expand(g, slot);
-    return {slot, at.w->scale + at.scales(g), at.w->offset != nullptr ? at.w->offset + at.scales(g) : nullptr};
+    return group_weights(*at.w, at.pair, at.groups, g, slot);
   }
   void expand_all() const {
     for (int64_t g = 0; g < at.groups; ++g) expand(g, buffer + g * at.gkp * 64);
@@ -196,18 +244,14 @@ template <typename T>
 struct ExpandedSource {
   PairIndex at;
   const T* all;  // [kp][2][32]
-  GroupWeights group(int64_t g) const {
-    return {all + g * at.gkp * 64, at.w->scale + at.scales(g),
-            at.w->offset != nullptr ? at.w->offset + at.scales(g) : nullptr};
-  }
+  GroupWeights group(int64_t g) const { return group_weights(*at.w, at.pair, at.groups, g, all + g * at.gkp * 64); }
 };
 
 // Quantized weights whose codes were expanded once, when the weight was made (PackedWeight::codes).
 struct CodesSource {
   PairIndex at;
   GroupWeights group(int64_t g) const {
-    return {at.w->codes + at.vectors(g) * 32, at.w->scale + at.scales(g),
-            at.w->offset != nullptr ? at.w->offset + at.scales(g) : nullptr};
+    return group_weights(*at.w, at.pair, at.groups, g, at.w->codes + at.vectors(g) * 32);
   }
 };
 

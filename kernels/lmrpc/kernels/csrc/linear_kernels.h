@@ -26,10 +26,10 @@ inline void fold_group(__m512 (&Y)[R][2 * P], const __m512 (&acc)[R][2 * P], con
     for (int t = 0; t < 2; ++t) {
       const int i = 2 * q + t;
       if constexpr (Q) {
-        const __m512 s = load_halfx16(gw[q].scale + 16 * t);
+        const __m512 s = scale_x16(gw[q], t);
         for (int r = 0; r < R; ++r) Y[r][i] = _mm512_fmadd_ps(acc[r][i], s, Y[r][i]);
-        if (gw[q].offset != nullptr) {
-          const __m512 o = load_halfx16(gw[q].offset + 16 * t);
+        if (gw[q].has_offset()) {
+          const __m512 o = offset_x16(gw[q], t);
           for (int r = 0; r < R; ++r) Y[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(rb.sums[r][g]), o, Y[r][i]);
         }
       } else {
@@ -81,8 +81,7 @@ void block_q4(const PackedWeight& w, int64_t p, const Q4Table& table, int64_t gr
   __m512 Y[R][2];
   for (int r = 0; r < R; ++r) Y[r][0] = Y[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t at = (p * groups + g) * 32;
-    const GroupWeights gw[1] = {{nullptr, w.scale + at, w.offset != nullptr ? w.offset + at : nullptr}};
+    const GroupWeights gw[1] = {group_weights(w, p, groups, g, nullptr)};
     const uint8_t* src = data + (p * groups + g) * 512;
     prefetch_q4_ahead(src);
     __m512 acc[R][2];
@@ -156,8 +155,8 @@ inline void fold_group_scalar(float (&Y)[R][32 * P], const float (&a)[R][32 * P]
       for (int l = 0; l < 32; ++l) {
         float& y = Y[r][32 * q + l];
         if constexpr (Q) {
-          y = std::fma(a[r][32 * q + l], half_to_f32(gw[q].scale[l]), y);
-          if (gw[q].offset != nullptr) y = std::fma(rb.sums[r][g], half_to_f32(gw[q].offset[l]), y);
+          y = std::fma(a[r][32 * q + l], lane_scale(gw[q], l), y);
+          if (gw[q].has_offset()) y = std::fma(rb.sums[r][g], lane_offset(gw[q], l), y);
         } else {
           y = a[r][32 * q + l];
         }
@@ -225,9 +224,9 @@ void one_row_quantized_bf16(const Source* src, int64_t groups, int64_t gkp, cons
     for (int q = 0; q < P; ++q)
       for (int t = 0; t < 2; ++t) {
         const int i = 2 * q + t;
-        Y[i] = _mm512_fmadd_ps(acc[i], load_halfx16(gw[q].scale + 16 * t), Y[i]);
-        if (gw[q].offset != nullptr) {
-          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(rb.sums[0][g]), load_halfx16(gw[q].offset + 16 * t), Y[i]);
+        Y[i] = _mm512_fmadd_ps(acc[i], scale_x16(gw[q], t), Y[i]);
+        if (gw[q].has_offset()) {
+          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(rb.sums[0][g]), offset_x16(gw[q], t), Y[i]);
         }
       }
   };
@@ -296,12 +295,12 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
   for (int i = 0; i < 2 * P; ++i) Y[i] = _mm512_setzero_ps();
   auto fold = [&](const __m512 (&acc)[2 * P], int64_t g) {
     for (int q = 0; q < P; ++q) {
-      const int64_t at = ((p + q) * groups + g) * 32;
+      const GroupWeights gw = group_weights(w, p + q, groups, g, nullptr);
       for (int t = 0; t < 2; ++t) {
         const int i = 2 * q + t;
-        Y[i] = _mm512_fmadd_ps(acc[i], load_halfx16(w.scale + at + 16 * t), Y[i]);
-        if (w.offset != nullptr) {
-          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(sums[g]), load_halfx16(w.offset + at + 16 * t), Y[i]);
+        Y[i] = _mm512_fmadd_ps(acc[i], scale_x16(gw, t), Y[i]);
+        if (gw.has_offset()) {
+          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(sums[g]), offset_x16(gw, t), Y[i]);
         }
       }
     }

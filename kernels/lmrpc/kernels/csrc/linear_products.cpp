@@ -46,11 +46,11 @@ void group_rows_bf16(const GroupWeights (&gw)[P], const uint16_t* const* x, cons
   for (int q = 0; q < P; ++q)
     for (int t = 0; t < 2; ++t) {
       const int i = 2 * q + t;
-      const __m512 sc = load_halfx16(gw[q].scale + 16 * t);
+      const __m512 sc = scale_x16(gw[q], t);
       for (int r = 0; r < R; ++r) {
         __m512 y = _mm512_fmadd_ps(acc[r][i], sc, _mm512_loadu_ps(Y[r] + 16 * i));
-        if (gw[q].offset != nullptr) {
-          y = _mm512_fmadd_ps(_mm512_set1_ps(sums[r][g]), load_halfx16(gw[q].offset + 16 * t), y);
+        if (gw[q].has_offset()) {
+          y = _mm512_fmadd_ps(_mm512_set1_ps(sums[r][g]), offset_x16(gw[q], t), y);
         }
         _mm512_storeu_ps(Y[r] + 16 * i, y);
       }
@@ -122,7 +122,7 @@ void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearAr
         float* y[kMaxRows];
         for (int r = 0; r < n; ++r) {
           x[r] = in.bf16.data() + (c0 + r0 + r) * w.k_pad + 2 * g * gkp;
-          sums[r] = w.offset != nullptr ? in.sums.data() + (c0 + r0 + r) * groups : nullptr;
+          sums[r] = w.has_offsets() ? in.sums.data() + (c0 + r0 + r) * groups : nullptr;
           y[r] = Y.data() + (r0 + r) * 32 * kMaxPairs;
         }
         switch (n) {
@@ -154,7 +154,7 @@ void pair_in_row_blocks(const PackedWeight& w, const Inputs& in, const LinearArg
     RowBlock rb{};
     for (int r = 0; r < rows; ++r) {
       rb.x[r] = in.bf16.data() + (r0 + r) * w.k_pad;
-      rb.sums[r] = w.offset != nullptr ? in.sums.data() + (r0 + r) * groups : nullptr;
+      rb.sums[r] = w.has_offsets() ? in.sums.data() + (r0 + r) * groups : nullptr;
       rb.out[r] = out[r];
     }
     block(rows, rb);
@@ -234,7 +234,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
     if (w.format == WeightFormat::Q4 && rr.size() == 1) {
       alignas(64) float row[32 * kMaxPairs];
       one_row_q4_bf16<P>(w, p, table, in.bf16.data() + rr.begin * w.k_pad,
-                         w.offset != nullptr ? in.sums.data() + rr.begin * groups : nullptr, row);
+                         w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr, row);
       epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
       return;
     }
@@ -248,7 +248,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
     RowBlock rb{};
     for (int r = 0; r < rows; ++r) {
       rb.x[r] = xq + (r0 + r) * w.k_pad;
-      rb.sums[r] = w.offset != nullptr ? in.sums.data() + (r0 + r) * groups : nullptr;
+      rb.sums[r] = w.has_offsets() ? in.sums.data() + (r0 + r) * groups : nullptr;
       rb.out[r] = out[r];
     }
     if (!quantized) {

@@ -30,17 +30,21 @@ class PackedLinear {
   PackedLinear(int64_t format, int64_t compute, int64_t n, int64_t k, int64_t group, bool q4_signed, at::Tensor data,
                std::optional<at::Tensor> scale, std::optional<at::Tensor> offset, std::optional<at::Tensor> bias,
                bool expand_codes = false, bool int8_activations = false,
-               std::optional<at::Tensor> codes = std::nullopt)
-      : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias),
-        compute_(static_cast<lmrpc::Compute>(compute)) {
+               std::optional<at::Tensor> codes = std::nullopt, std::optional<at::Tensor> kd = std::nullopt,
+               std::optional<at::Tensor> kdmin = std::nullopt, std::optional<at::Tensor> ksc = std::nullopt,
+               std::optional<at::Tensor> km = std::nullopt, int64_t super_groups = 1, bool sc_signed = false)
+      : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias), kd_(kd), kdmin_(kdmin), ksc_(ksc),
+        km_(km), compute_(static_cast<lmrpc::Compute>(compute)) {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
     const bool quantized = fmt == lmrpc::WeightFormat::Q4 || fmt == lmrpc::WeightFormat::Q8;
     const int64_t n_pad = (n + 31) / 32 * 32;
     const int64_t k_pad = quantized ? (k + group - 1) / group * group : (k + 3) / 4 * 4;
     TORCH_CHECK(k_pad % 4 == 0 && (!quantized || group % 4 == 0), "group and padded k must be multiples of 4");
     TORCH_CHECK(fmt != lmrpc::WeightFormat::Q4 || group == 32, "Q4 weights come in groups of 32");
-    TORCH_CHECK(quantized == scale.has_value(), "quantized weights need scales, dense weights none");
-    TORCH_CHECK(!offset.has_value() || fmt == lmrpc::WeightFormat::Q4, "offsets exist only for Q4");
+    const bool k_scaled = kd.has_value();
+    TORCH_CHECK(quantized == (scale.has_value() || k_scaled), "quantized weights need scales, dense weights none");
+    TORCH_CHECK(!(k_scaled && (scale.has_value() || offset.has_value())), "K scales replace scales and offsets");
+    TORCH_CHECK(!offset.has_value() || quantized, "offsets exist only for quantized weights");
     TORCH_CHECK(fmt != lmrpc::WeightFormat::BF16 || compute_ == lmrpc::Compute::BF16,
                 "bfloat16 weights take bfloat16 products");
     TORCH_CHECK(fmt != lmrpc::WeightFormat::F32 || compute_ == lmrpc::Compute::F32,
@@ -61,12 +65,37 @@ class PackedLinear {
                     "scales and offsets: float16 [n_pad / 32, groups, 2, 16]");
       }
     }
+    if (k_scaled) {
+      TORCH_CHECK(ksc.has_value() && kdmin.has_value() == km.has_value(), "K scales: d with sc, dmin with m");
+      TORCH_CHECK(super_groups > 0 && groups % super_groups == 0, "K scales: whole super-blocks of groups");
+      for (const auto* t : {&kd_, &kdmin_}) {
+        if (t->has_value()) {
+          TORCH_CHECK((*t)->scalar_type() == at::kHalf && (*t)->is_contiguous() &&
+                          (*t)->numel() == n_pad * groups / super_groups,
+                      "K scales d and dmin: float16 [n_pad / 32, super-blocks, 2, 16]");
+        }
+      }
+      for (const auto* t : {&ksc_, &km_}) {
+        if (t->has_value()) {
+          TORCH_CHECK(((*t)->scalar_type() == at::kByte || (*t)->scalar_type() == at::kChar) &&
+                          (*t)->is_contiguous() && (*t)->numel() == n_pad * groups,
+                      "K scales sc and m: 8-bit [n_pad / 32, groups, 2, 16]");
+        }
+      }
+    }
     if (bias_.has_value()) {
       TORCH_CHECK(bias_->scalar_type() == at::kFloat && bias_->is_contiguous() && bias_->numel() == n, "bias: [n]");
     }
     w_ = lmrpc::PackedWeight{fmt, n, k, n_pad, k_pad, quantized ? group : k_pad, q4_signed, data_.data_ptr(),
                              half_or_null(scale_), half_or_null(offset_), ptr_or_null<float>(bias_)};
-    if (int8_activations && fmt == lmrpc::WeightFormat::Q4 && compute_ == lmrpc::Compute::BF16 &&
+    if (k_scaled) {
+      w_.ks = lmrpc::KScales{half_or_null(kd_), half_or_null(kdmin_),
+                            static_cast<const uint8_t*>(ksc_->data_ptr()),
+                            km_.has_value() ? static_cast<const uint8_t*>(km_->data_ptr()) : nullptr, super_groups,
+                            sc_signed};
+    }
+    // (K-scaled weights keep bf16 activations: the int8 path folds fp16 scales.)
+    if (int8_activations && fmt == lmrpc::WeightFormat::Q4 && !k_scaled && compute_ == lmrpc::Compute::BF16 &&
         lmrpc::native_vnni()) {
       vnni_ = at::empty({n_pad * k_pad / 2}, data_.options().dtype(at::kByte));
       lmrpc::vnni_codes(w_, vnni_->data_ptr<uint8_t>());
@@ -157,13 +186,16 @@ class PackedLinear {
   int64_t k() const { return w_.k; }
   int64_t nbytes() const {
     int64_t total = data_.nbytes();
-    for (const auto* t : {&scale_, &offset_, &bias_, &codes_, &vnni_}) total += t->has_value() ? (*t)->nbytes() : 0;
+    for (const auto* t : {&scale_, &offset_, &bias_, &codes_, &vnni_, &kd_, &kdmin_, &ksc_, &km_}) {
+      total += t->has_value() ? (*t)->nbytes() : 0;
+    }
     return total;
   }
 
  private:
   at::Tensor data_;
   std::optional<at::Tensor> scale_, offset_, bias_;
+  std::optional<at::Tensor> kd_, kdmin_, ksc_, km_;  // KScales, when the weight has them
   std::optional<at::Tensor> codes_;  // PackedWeight::codes, when expanded
   std::optional<at::Tensor> vnni_;   // PackedWeight::vnni, when products take int8 activations
   lmrpc::Compute compute_;

@@ -28,7 +28,7 @@ from lmrpc.server.media.types import MultimodalProcessor
 from lmrpc.server.models import CausalLM, load_registry
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import resolve_dtype
-from lmrpc.server.models.quantized import LinearBuilder, Quantization
+from lmrpc.server.models.quantized import LinearBuilder, Quantization, quantization_name
 from lmrpc.server.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
 from lmrpc.server.protocol import ExpertsInfo, ModelInfo
 
@@ -231,7 +231,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         generation_defaults=_generation_defaults(path),
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
-        quantization=_quantization_name(formats),
+        quantization=quantization_name(formats),
         weight_formats=formats,
         hidden_size=int(text_config.hidden_size),
         accepts_embeddings=bool(model.accepts_embeddings),
@@ -256,11 +256,3 @@ def _native_serves(device: torch.device, dtype: torch.dtype) -> bool:
                        "request's output may then depend on its batch", e)
         return False
     return True
-
-
-def _quantization_name(formats: tuple[str, ...]) -> str:
-    if any(f.startswith("q4") for f in formats):
-        return "int4"
-    if any(f in ("q8_0", "int8") for f in formats):
-        return "int8"
-    return "none"

@@ -6,11 +6,11 @@ count, each output row computed alone: batching never changes a row (see kernels
 Formats, by `--quantization`:
 - none: the checkpoint's values in the model dtype (bfloat16 weights take bfloat16 products; float32, float32).
 - int8: symmetric int8 per output channel, made here from the dense values.
-- int4: a GGUF file's own Q4_0/Q4_1 blocks as they are (its Q8_0 tensors too); from a dense checkpoint, asymmetric
+- int4: a GGUF file's own blocks as they are (as auto); from a dense checkpoint, asymmetric
   int4 in groups of 32 (Q4_1's scheme), with the output projection in int8 (it decides every token; 4 bits cost it
   most).
-- auto: a GGUF file's own formats where a kernel exists (Q4_0, Q4_1, Q8_0), everything else dense; a dense
-  checkpoint stays dense.
+- auto: a GGUF file's own formats where a kernel exists (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
+  kernels/gguf_blocks.py), everything else dense; a dense checkpoint stays dense.
 Activations enter products rounded to bfloat16 when the model dtype is bfloat16, else in float32.
 """
 
@@ -41,8 +41,12 @@ class NativeLinear:
                  expand_codes: bool = False, int8_activations: bool = False,
                  arena: hugepages.Arena | None = None) -> None:
         if arena is not None:  # the weight's tensors, and its expanded codes below, in huge pages
+            ks = weight.kscales
+            if ks is not None:
+                ks = replace(ks, d=arena.place(ks.d), dmin=_placed(arena, ks.dmin), sc=arena.place(ks.sc),
+                             m=_placed(arena, ks.m))
             weight = replace(weight, data=arena.place(weight.data), scale=_placed(arena, weight.scale),
-                             offset=_placed(arena, weight.offset))
+                             offset=_placed(arena, weight.offset), kscales=ks)
         self.weight = weight  # the packed weight (kept for introspection; the kernel object holds its tensors)
         self.compute = compute
         self.in_features, self.out_features = weight.k, weight.n
@@ -54,7 +58,7 @@ class NativeLinear:
         self._op = native.load().PackedLinear(
             int(weight.format), int(compute), weight.n, weight.k, weight.group, weight.q4_signed, weight.data,
             weight.scale, weight.offset, None if bias is None else bias.float().contiguous(),
-            expand_codes=expand_codes, int8_activations=int8_activations, codes=codes,
+            expand_codes=expand_codes, int8_activations=int8_activations, codes=codes, **_kscale_args(weight),
         )
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
@@ -77,6 +81,15 @@ class NativeLinear:
 
 def _placed(arena: hugepages.Arena, t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else arena.place(t)
+
+
+def _kscale_args(weight: PackedWeight) -> dict[str, object]:
+    """A K-quant weight's scales as PackedLinear takes them (nothing for other weights)."""
+    ks = weight.kscales
+    if ks is None:
+        return {}
+    return {"kd": ks.d, "kdmin": ks.dmin, "ksc": ks.sc, "km": ks.m, "super_groups": ks.super_groups,
+            "sc_signed": ks.sc.dtype == torch.int8}
 
 
 @dataclass(frozen=True)
@@ -109,8 +122,13 @@ class LinearBuilder:
             dense = packing.dequantize(weight) if isinstance(weight, PackedWeight) else weight
             return DenseLinear(dense.to(device=self.device, dtype=self.dtype),
                                None if bias is None else bias.to(self.device))
-        return NativeLinear(self._pack(weight, output), self.compute, bias, expand_codes=self.expand_codes,
-                            int8_activations=self.int8_activations, arena=self.arena)
+        packed = self._pack(weight, output)
+        # A bfloat16 copy of the codes (2 bytes a weight) only for 8-bit formats: the 5- and 6-bit GGUF formats held
+        # in 8 bits (q5_0, q6_k, ...) would then take about 3x their file's bits (same bits without it: the products
+        # expand each group once per chunk of rows instead).
+        expand = self.expand_codes and packed.label in ("q8_0", "int8")
+        return NativeLinear(packed, self.compute, bias, expand_codes=expand, int8_activations=self.int8_activations,
+                            arena=self.arena)
 
     def _pack(self, weight: Matrix, output: bool) -> PackedWeight:
         q = self.quantization
@@ -126,5 +144,27 @@ class LinearBuilder:
 
     def describe(self, formats: set[str]) -> str:
         """What GetModelInfo reports: the formats the layers ended up in, e.g. "Q4_1+Q8_0" or "none"."""
-        quantized = sorted(f for f in formats if f not in ("F32", "BF16"))
-        return "+".join(quantized) if quantized else "none"
+        return describe_formats(formats)
+
+
+# Formats GetModelInfo has always named by their width (clients and dashboards read these); a model with any other
+# quantized format (GGUF's Q5 and K-quants) is named by its formats, e.g. "Q4_K+Q6_K".
+_LEGACY = {"q4_0": "int4", "q4_1": "int4", "q8_0": "int8", "int8": "int8"}
+
+
+def describe_formats(formats: set[str] | tuple[str, ...]) -> str:
+    """The quantized formats among layer labels (PackedWeight.label), upper-cased and joined: "Q4_K+Q6_K"; "none"
+    when every layer is dense."""
+    quantized = sorted({part.upper() for f in formats if f not in ("f32", "bf16", "f16") for part in f.split("+")})
+    return "+".join(quantized) if quantized else "none"
+
+
+def quantization_name(formats: tuple[str, ...]) -> str:
+    """GetModelInfo's quantization: "int4", "int8" or "none" for our own and GGUF's Q4_0/Q4_1/Q8_0 formats, as
+    before; with any other GGUF format, the formats (describe_formats)."""
+    quantized = [part for f in formats if f not in ("f32", "bf16", "f16") for part in f.split("+")]
+    if any(f not in _LEGACY for f in quantized):
+        return describe_formats(formats)
+    if any(_LEGACY[f] == "int4" for f in quantized):
+        return "int4"
+    return "int8" if quantized else "none"

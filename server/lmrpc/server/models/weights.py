@@ -1,8 +1,9 @@
 """Where a model's tensors come from: a Hugging Face safetensors directory, or a GGUF file read as it is.
 
-Both answer by Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`). A GGUF file's Q4_0, Q4_1
-and Q8_0 matrices are handed over as their own integer codes and scales (`PackedWeight`, never dequantized), so
-int4 serving uses exactly the file's weights; other tensors are dequantized to float32 with the gguf package.
+Both answer by Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`). A GGUF file's Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices are handed over as their own integer codes and scales
+(`PackedWeight`, kernels/gguf_blocks.py; never dequantized), so they are served with exactly the file's weights;
+other tensors are dequantized to float32 with the gguf package.
 llama.cpp stores the rows of Llama's q and k projections interleaved for its RoPE; they are put back in Hugging
 Face's order here (a row permutation, on the codes as much as on dense values).
 """
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from lmrpc.kernels import packing
+from lmrpc.kernels import gguf_blocks, packing
 from lmrpc.kernels.packing import PackedWeight
 
 Matrix = torch.Tensor | PackedWeight  # a linear layer's weight [out, in]: dense values, or packed codes
@@ -26,13 +27,18 @@ Matrix = torch.Tensor | PackedWeight  # a linear layer's weight [out, in]: dense
 
 def stack_rows(parts: Sequence[Matrix]) -> Matrix:
     """Weights stacked along their rows (fused qkv and gate_up products): dense values concatenated, packed codes
-    re-packed; parts stored in different formats (a GGUF file may do that) are stacked as dense values."""
+    re-packed; K-quant parts in different formats (Q4_K_M's Q4_K q and k, Q6_K v) in one 8-bit layout that holds
+    each exactly (gguf_blocks.common_k); other parts in different formats are stacked as dense values."""
     dense = [p for p in parts if isinstance(p, torch.Tensor)]
     if len(dense) == len(parts):
         return torch.cat(dense)
     packed = [p for p in parts if isinstance(p, PackedWeight)]
-    if len(packed) == len(parts) and packing.stackable(packed):
-        return packing.concat_rows(packed)
+    if len(packed) == len(parts):
+        if packing.stackable(packed):
+            return packing.concat_rows(packed)
+        common = gguf_blocks.common_k(packed)  # K-quants of different formats: one layout holding each exactly
+        if common is not None:
+            return packing.concat_rows(common)
     return torch.cat([packing.dequantize(p) if isinstance(p, PackedWeight) else p for p in parts])
 
 
@@ -120,10 +126,10 @@ class GGUFWeights:
 
     def matrix(self, name: str) -> Matrix:
         t = self._raw(name)
-        if int(t.tensor_type) not in packing.GGUF_BLOCK_BYTES:
-            return self.tensor(name)
         n, k = int(t.shape[1]), int(t.shape[0])
-        packed = packing.pack_gguf(int(t.tensor_type), np.asarray(t.data), n, k)
+        if int(t.tensor_type) not in gguf_blocks.SUPPORTED or k % gguf_blocks.BLOCK[int(t.tensor_type)][0]:
+            return self.tensor(name)
+        packed = gguf_blocks.pack_gguf(int(t.tensor_type), np.asarray(t.data), n, k)
         order = self._row_order(name, n)
         return packed if order is None else packing.permute_rows(packed, order)
 

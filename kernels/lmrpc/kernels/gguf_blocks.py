@@ -1,0 +1,140 @@
+"""A GGUF tensor's blocks in the native kernels' layouts (packing.py), code for code, never dequantized.
+
+Each format's values are exactly those of gguf's `dequantize` (the reference; the tests compare bit for bit):
+
+| ggml type | block | held as | value | bits per weight (file) |
+| --- | --- | --- | --- | --- |
+| Q4_0 | 32: fp16 d, 4-bit q | Q4, fp16 scale | (q - 8) * d | 4.5 (4.5) |
+| Q4_1 | 32: fp16 d, m, 4-bit q | Q4, fp16 scale and offset | q * d + m | 5 (5) |
+| Q8_0 | 32: fp16 d, int8 q | Q8, fp16 scale | q * d | 8.5 (8.5) |
+| Q5_0 | 32: fp16 d, 5-bit q | Q8 (q - 16 in int8), fp16 scale | (q - 16) * d | 8.5 (5.5) |
+| Q5_1 | 32: fp16 d, m, 5-bit q | Q8 (q in int8), fp16 scale and offset | q * d + m | 9 (6) |
+| Q4_K | 256: fp16 d, dmin; 8 x (6-bit sc, m, 32 x 4-bit q) | Q4, KScales | q * (d * sc) - dmin * m | 4.625 (4.5) |
+| Q5_K | 256: as Q4_K with 5-bit q | Q8 (q in int8), KScales | q * (d * sc) - dmin * m | 8.625 (5.5) |
+| Q6_K | 256: fp16 d; 16 x (int8 sc, 16 x 6-bit q) | Q8 (q - 32), KScales (16s) | (q - 32) * (d * sc) | 8.56 (6.56) |
+
+Q5_0, Q5_1 and Q6_K hold their codes in 8 bits: llama-quantize uses them for a minority of a file's tensors (Q5_0/Q5_1
+where a width is not a multiple of 256; Q6_K for the output projection and some v/down projections of Q4_K_M).
+Q5_K, the bulk of a Q5_K_M file, does too for now (a 5-bit layout would bring it to 5.6).
+
+Everything here is numpy/torch on the host, run once per tensor at load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lmrpc.kernels import packing
+from lmrpc.kernels.packing import PackedWeight, WeightFormat
+
+# ggml type ids
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
+         Q5_K: (256, 176), Q6_K: (256, 210)}  # per ggml type: (elements, bytes) of a block
+SUPPORTED = frozenset(BLOCK)
+
+
+def _halves(raw: np.ndarray) -> torch.Tensor:
+    """[..., 2] uint8 little-endian fp16 -> float32 [...] (exact)."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., b] bytes -> [..., 2, b]: low nibbles, then high nibbles."""
+    return np.stack([qs & 0x0F, qs >> 4], axis=-2)
+
+
+def _bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """[..., b] bytes -> [..., count, b]: bit i of each byte in row i."""
+    return (qh[..., None, :] >> np.arange(count, dtype=np.uint8)[:, None]) & 1
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 scale bytes [..., 12] -> 6-bit sc and m [..., 8]: sub-blocks 0-3 in the low 6 bits of bytes
+    0-3 (sc) and 4-7 (m); sub-blocks 4-7 in the nibbles of bytes 8-11, their top 2 bits in the top bits of 0-7."""
+    lo_sc, lo_m, mix = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([lo_sc & 0x3F, (mix & 0x0F) | ((lo_sc >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([lo_m & 0x3F, (mix >> 4) | ((lo_m >> 2) & 0x30)], axis=-1)
+    return sc, m
+
+
+def _tensor(a: np.ndarray, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).reshape(n, k).to(dtype)
+
+
+def pack_gguf(ggml_type: int, raw: np.ndarray, n: int, k: int) -> PackedWeight:
+    """A GGUF tensor's blocks (uint8, n rows of k / block elements * block bytes) in the kernels' layout."""
+    if ggml_type not in BLOCK:
+        raise ValueError(f"no kernel for ggml type {ggml_type}")
+    elements, nbytes = BLOCK[ggml_type]
+    if k % elements:
+        raise ValueError(f"ggml type {ggml_type} needs k divisible by {elements}, got {k}")
+    b = np.ascontiguousarray(raw).reshape(n, k // elements, nbytes)
+    if elements == 32:
+        return _pack_32(ggml_type, b, n, k)
+    return _pack_k(ggml_type, b, n, k)
+
+
+def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
+    """Blocks of 32 with an fp16 scale (and offset) each."""
+    d = _halves(b[..., 0:2])  # [n, groups]
+    if ggml_type == Q8_0:
+        return packing.pack_q8(_tensor(b[..., 2:].view(np.int8), n, k, torch.int8), d, 32)
+    with_min = ggml_type in (Q4_1, Q5_1)
+    m = _halves(b[..., 2:4]) if with_min else None
+    at = 4 if with_min else 2
+    if ggml_type in (Q4_0, Q4_1):  # element i: low nibble of byte i, element i + 16: its high nibble
+        codes = _tensor(_nibbles(b[..., at:]), n, k, torch.uint8)
+        return packing.pack_q4(codes, d, m)
+    high = _bits(b[..., at : at + 4], 8).transpose(0, 1, 3, 2).reshape(n, -1, 32)  # bit i of the LE word: element i
+    q = _nibbles(b[..., at + 4 :]).reshape(n, -1, 32) | (high << 4)  # 0..31
+    if ggml_type == Q5_0:
+        return packing.pack_q8(_tensor(q.astype(np.int8) - 16, n, k, torch.int8), d, 32, name="q5_0")
+    return packing.pack_q8(_tensor(q.astype(np.int8), n, k, torch.int8), d, 32, m, name="q5_1")
+
+
+def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
+    """Super-blocks of 256 with their scales as stored (packing.KScales)."""
+    if ggml_type == Q6_K:
+        ql, qh, sc = b[..., 0:128], b[..., 128:192], b[..., 192:208].view(np.int8)
+        d = _halves(b[..., 208:210])  # [n, supers]
+        # Per half of 128: elements 0-63 the low nibbles of its 64 ql bytes, 64-127 the high ones; the top 2 bits of
+        # element 32 s + i in bits 2s, 2s + 1 of its qh byte i.
+        low = _nibbles(ql.reshape(n, -1, 2, 64)).reshape(n, -1, 2, 128)
+        top = ((qh.reshape(n, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(n, -1, 2, 128)
+        q = (low | (top << 4)).astype(np.int8) - 32
+        ks = packing.pack_kscales(d, None, _tensor(sc, n, k // 16, torch.int8), None, 16)
+        return packing.pack_k(WeightFormat.Q8, _tensor(q, n, k, torch.int8), 16, ks, "q6_k")
+    d, dmin = _halves(b[..., 0:2]), _halves(b[..., 2:4])
+    sc, m = _k_scale_min(b[..., 4:16])
+    qs = b[..., 16:144] if ggml_type == Q4_K else b[..., 48:176]
+    # sub-block 2j: low nibbles of the j-th 32 bytes; 2j + 1: their high nibbles
+    q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
+    ks = packing.pack_kscales(d, dmin, _tensor(sc, n, k // 32, torch.uint8), _tensor(m, n, k // 32, torch.uint8), 8)
+    if ggml_type == Q4_K:
+        return packing.pack_k(WeightFormat.Q4, _tensor(q, n, k, torch.uint8), 32, ks, "q4_k")
+    q = q | (_bits(b[..., 16:48], 8) << 4)  # bit j of byte i: the fifth bit of sub-block j's element i
+    return packing.pack_k(WeightFormat.Q8, _tensor(q.astype(np.int8), n, k, torch.int8), 32, ks, "q5_k")
+
+
+def common_k(parts: list[PackedWeight]) -> list[PackedWeight] | None:
+    """K-quant weights of different formats (Q4_K_M's q and k in Q4_K beside v in Q6_K) in one layout that holds
+    each exactly, so that they stack into one fused product: int8 codes in groups of 16 under KScales with signed
+    sc, 16 groups a super-block (a group of 32's sc and m on both its halves; Q6_K with dmin and m zero, offset
+    -(0 * 0)). Named by the formats joined ("q4_k+q6_k"). None when a part is not a K-quant."""
+    if any(p.kscales is None or p.label not in ("q4_k", "q5_k", "q6_k") for p in parts):
+        return None
+    name = "+".join(sorted({p.label for p in parts}))
+    out = []
+    for p in parts:
+        ks = p.kscales
+        assert ks is not None
+        d, dmin, sc, m = packing.kscale_rows(ks, p.n)
+        if p.group == 32:  # Q4_K, Q5_K: each group's scale and min on both halves; sc <= 63 fits int8
+            sc, m = sc.repeat_interleave(2, dim=1), None if m is None else m.repeat_interleave(2, dim=1)
+        if dmin is None or m is None:  # Q6_K
+            dmin, m = torch.zeros_like(d), torch.zeros(sc.shape, dtype=torch.uint8)
+        common = packing.pack_kscales(d, dmin, sc.to(torch.int8), m, 16)
+        out.append(packing.pack_k(WeightFormat.Q8, packing.codes_of(p).to(torch.int8), 16, common, name))
+    return out

@@ -1,0 +1,89 @@
+"""GGUF test blocks and what gguf's own `dequantize` says they stand for: random blocks of each format served as
+blocks (Q4_K, Q5_K and Q6_K as raw random bytes with valid fp16 scales, gguf has no quantizer for them; Q5_0 and
+Q5_1 through `gguf.quants.quantize`), and each block's codes, group scales and offsets read back through
+`gguf.quants.dequantize` alone (probing copies of the blocks with chosen codes and scales), independent of our
+loader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+T = gguf.GGMLQuantizationType
+FORMATS = {"q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K, "q5_0": T.Q5_0, "q5_1": T.Q5_1}
+ONE = np.array([1.0], dtype=np.float16).view(np.uint8)  # fp16 1.0 as two bytes
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What the kernels must multiply: value = code * scale (+ offset), each group's scale and offset float32."""
+
+    values: np.ndarray  # [n, k] float32: gguf.quants.dequantize
+    codes: np.ndarray  # [n, k] float32 (small integers, signed where the format is)
+    scale: np.ndarray  # [n, groups] float32
+    offset: np.ndarray | None  # [n, groups] float32
+    group: int
+
+
+def _fp16(rng: np.random.Generator, shape: tuple[int, ...], low: float, high: float) -> np.ndarray:
+    return rng.uniform(low, high, shape).astype(np.float16).view(np.uint8).reshape(*shape, 2)
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [n, bytes of a row] of random blocks of this format."""
+    rng = np.random.default_rng(seed)
+    qtype = FORMATS[fmt]
+    if qtype in (T.Q5_0, T.Q5_1):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
+    if qtype == T.Q6_K:
+        b[..., 208:210] = _fp16(rng, (n, k // size), 1e-4, 2e-3)
+    else:
+        b[..., 0:2] = _fp16(rng, (n, k // size), 1e-4, 2e-3)
+        b[..., 2:4] = _fp16(rng, (n, k // size), 1e-4, 2e-3)
+    return b.reshape(n, -1)
+
+
+def _dequantize(blocks: np.ndarray, qtype: T, n: int) -> np.ndarray:
+    return np.asarray(gguf.quants.dequantize(blocks.reshape(n, -1), qtype), dtype=np.float32).reshape(n, -1)
+
+
+def reference(fmt: str, raw: np.ndarray, n: int, k: int) -> Reference:
+    """Codes, scales and offsets of these blocks, each read from gguf's dequantize of a probe copy."""
+    qtype = FORMATS[fmt]
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    b = raw.reshape(n, k // size, nbytes)
+    values = _dequantize(b, qtype, n)
+
+    def probe(*edits: tuple[int, int, np.ndarray | int]) -> np.ndarray:
+        """gguf's values of a copy of the blocks with bytes [start, stop) of each block set."""
+        c = b.copy()
+        for start, stop, v in edits:
+            c[..., start:stop] = v
+        return _dequantize(c, qtype, n)
+
+    def per_group(v: np.ndarray, group: int) -> np.ndarray:
+        return v.reshape(n, -1, group)[..., 0]
+
+    if qtype in (T.Q4_K, T.Q5_K):
+        unit = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)  # every sc = 1, m = 0
+        codes = probe((0, 2, ONE), (2, 4, 0), (4, 16, unit))  # q * 1 - 0
+        qs, high = ((16, 144, 0x11), (0, 0, 0)) if qtype == T.Q4_K else ((48, 176, 0x11), (16, 48, 0))
+        scale = per_group(probe((2, 4, 0), qs, high), 32)  # 1 * d * sc - 0
+        offset = per_group(probe((qs[0], qs[1], 0), high), 32)  # 0 * d * sc - dmin * m
+        return Reference(values, codes, scale, offset, 32)
+    if qtype == T.Q6_K:
+        codes = probe((208, 210, ONE), (192, 208, 1))  # (q - 32) * 1 * 1
+        scale = per_group(probe((0, 128, 0x11), (128, 192, 0xAA)), 16)  # q = 33: 1 * d * sc
+        return Reference(values, codes, scale, None, 16)
+    if qtype == T.Q5_0:  # value (q - 16) * d
+        codes = probe((0, 2, ONE))
+        scale = per_group(probe((2, 6, 0xFF), (6, 22, 0x11)), 32)  # q = 17
+        return Reference(values, codes, scale, None, 32)
+    codes = probe((0, 2, ONE), (2, 4, 0))  # Q5_1: value q * d + m
+    scale = per_group(probe((2, 4, 0), (4, 8, 0), (8, 24, 0x11)), 32)  # q = 1, m = 0
+    offset = per_group(probe((4, 24, 0)), 32)  # q = 0
+    return Reference(values, codes, scale, offset, 32)

@@ -1,0 +1,166 @@
+"""GGUF's Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks served as blocks: repacked by the loader's path
+(kernels/gguf_blocks.py), the weight they stand for is gguf's `dequantize` to the bit, and every product equals,
+bit for bit, a reference built from gguf's `dequantize` alone (gguf_blocks_ref.py) and computed in the kernels'
+order of operations, for every row count and however rows are split between threads.
+
+The kernels' order, per row and output (csrc/linear_kernels.h): for each group in order, its inputs' products in
+one running sum (float32 products: even and odd inputs in two sums, added at the group's end; bfloat16 products, the
+portable loops: one sum over the inputs in order, each a fused multiply-add), then Y = fma(sum, scale, Y) and, with
+offsets, Y = fma(the group's sum of inputs, offset, Y). Fused multiply-adds are emulated exactly in float64 (round
+to odd, then to float32)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf_blocks_ref import FORMATS, Reference, random_blocks, reference
+
+from lmrpc.kernels import gguf_blocks, native, packing
+from lmrpc.kernels.packing import Compute, PackedWeight
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
+
+ROWS = [*range(1, 41), 48, 64, 97]
+
+
+def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add, exact: a * b + c rounded once. The float64 sum of the exact product and c is
+    made round-to-odd (its error found by TwoSum), which a float32 rounding then rounds as the exact value."""
+    p = a.astype(np.float64) * b.astype(np.float64)  # exact: 24-bit significands
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    bits = s.view(np.int64).copy()
+    inexact_even = (err != 0) & (bits & 1 == 0)
+    bits += np.where(inexact_even, np.where((err > 0) == (s > 0), 1, -1), 0)
+    return bits.view(np.float64).astype(np.float32)
+
+
+def reference_product(ref: Reference, x: np.ndarray, bf16: bool) -> np.ndarray:
+    """y [m, n] as the kernels compute x @ W.T over the codes, scales and offsets gguf's dequantize gave."""
+    m, k = x.shape
+    n, group = ref.codes.shape[0], ref.group
+    w = ref.codes.astype(np.float32)  # [n, k]
+    y = np.zeros((m, n), np.float32)
+    for g in range(k // group):
+        cols = range(g * group, (g + 1) * group)
+        if bf16:
+            acc = np.zeros((m, n), np.float32)
+            for j in cols:
+                acc = fma(x[:, j : j + 1], w[None, :, j], acc)
+        else:
+            even, odd = np.zeros((m, n), np.float32), np.zeros((m, n), np.float32)
+            for j in cols:
+                if j % 2 == 0:
+                    even = fma(w[None, :, j], x[:, j : j + 1], even)
+                else:
+                    odd = fma(w[None, :, j], x[:, j : j + 1], odd)
+            acc = even + odd
+        y = fma(acc, ref.scale[None, :, g], y)
+        if ref.offset is not None:
+            total = np.zeros((m, 1), np.float32)
+            for j in cols:
+                total = total + x[:, j : j + 1]
+            y = fma(np.broadcast_to(total, (m, n)), ref.offset[None, :, g], y)
+    return y
+
+
+def kernel(p: PackedWeight, compute: Compute) -> Any:
+    ks = p.kscales
+    extra = {} if ks is None else {"kd": ks.d, "kdmin": ks.dmin, "ksc": ks.sc, "km": ks.m,
+                                   "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8}
+    return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
+                                      p.offset, None, **extra)
+
+
+def load(fmt: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, Reference]:
+    raw = random_blocks(fmt, n, k, seed)
+    return gguf_blocks.pack_gguf(int(FORMATS[fmt]), raw, n, k), reference(fmt, raw, n, k)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_the_loaded_weight_is_ggufs_dequantize_to_the_bit(fmt: str) -> None:
+    n, k = 72, 512
+    p, ref = load(fmt, n, k)
+    assert p.label == fmt
+    assert np.array_equal(packing.dequantize(p).numpy(), ref.values)
+    # Rows read back for embedding lookups (a tied weight) are the same values.
+    ids = torch.tensor([0, 31, 32, 71])
+    assert np.array_equal(kernel(p, Compute.F32).rows(ids).numpy(), ref.values[ids.numpy()])
+    # Stacked with another weight (fused qkv) and rows permuted (llama.cpp's q/k order): the same codes and scales.
+    other, other_ref = load(fmt, 40, k, seed=1)
+    stacked = packing.concat_rows([p, other])
+    assert stacked.label == fmt
+    assert np.array_equal(packing.dequantize(stacked).numpy(), np.concatenate([ref.values, other_ref.values]))
+    order = torch.randperm(112, generator=torch.Generator().manual_seed(2))
+    permuted = packing.permute_rows(stacked, order)
+    assert torch.equal(packing.dequantize(permuted), packing.dequantize(stacked)[order])
+
+
+def test_bits_per_weight_stay_near_the_files() -> None:
+    # Q4_K, the bulk of a Q4_K_M file, keeps 4-bit codes and its scales as stored: 4.625 bits a weight (file 4.5).
+    n, k = 64, 1024
+    for fmt, most in {"q4_k": 4.625, "q6_k": 8.6, "q5_k": 8.7, "q5_0": 8.5, "q5_1": 9.0}.items():
+        p, _ = load(fmt, n, k)
+        assert p.nbytes * 8 / (n * k) <= most, fmt
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("compute", [Compute.F32, Compute.BF16], ids=["f32", "bf16"])
+def test_products_equal_the_reference_bitwise_for_every_row_count_and_split(fmt: str, compute: Compute) -> None:
+    # 64 outputs (2 tile pairs): one block of pairs, so with two threads the rows are split between work items in
+    # uneven chunks; 100 outputs: padded tiles and blocks of different sizes.
+    bf16 = compute == Compute.BF16
+    exact = not (bf16 and native.load().native_bf16())  # AVX512-BF16 dot products round differently: checked apart
+    for n, k in ((64, 512), (100, 256)):
+        p, ref = load(fmt, n, k, seed=n)
+        lin = kernel(p, compute)
+        x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(k))
+        xin = x.bfloat16().float() if bf16 else x
+        expected = reference_product(ref, xin.numpy(), bf16)
+        if not exact:
+            torch.testing.assert_close(lin.forward(x), torch.from_numpy(expected), atol=1e-4, rtol=1e-4)
+            expected = lin.forward(x).numpy()
+        threads = torch.get_num_threads()
+        try:
+            for count in (1, threads):
+                torch.set_num_threads(count)
+                for m in ROWS:
+                    y = lin.forward(x[:m]).numpy()
+                    assert np.array_equal(y, expected[:m]), (n, m, count)
+                for i in (0, 13, 96):  # a row alone
+                    assert np.array_equal(lin.forward(x[i : i + 1]).numpy(), expected[i : i + 1])
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("small", ["q4_k", "q5_k"])
+def test_k_quants_of_different_formats_stack_into_one_exact_product(small: str) -> None:
+    # Q4_K_M stores some layers' v projection in Q6_K beside q and k in Q4_K: the fused qkv product holds all three
+    # in one layout (int8 codes in groups of 16, each part's scales as stored) instead of dense values.
+    from lmrpc.server.models.weights import stack_rows
+
+    k = 512
+    parts = [load(small, 64, k, seed=5), load(small, 32, k, seed=6), load("q6_k", 32, k, seed=7)]
+    stacked = stack_rows([p for p, _ in parts])
+    assert isinstance(stacked, PackedWeight) and stacked.label == f"{small}+q6_k"
+    values = np.concatenate([r.values for _, r in parts])
+    assert np.array_equal(packing.dequantize(stacked).numpy(), values)
+
+    def halves(ref: Reference, t: np.ndarray | None) -> np.ndarray:  # per group of 16
+        if t is None:  # Q6_K: offset -(0 * 0)
+            return np.full((ref.codes.shape[0], k // 16), -0.0, np.float32)
+        return np.repeat(t, ref.group // 16, axis=1)
+
+    ref = Reference(values, np.concatenate([r.codes for _, r in parts]),
+                    np.concatenate([halves(r, r.scale) for _, r in parts]),
+                    np.concatenate([halves(r, r.offset) for _, r in parts]), 16)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(8))
+    expected = reference_product(ref, x.numpy(), bf16=False)
+    lin = kernel(stacked, Compute.F32)
+    for m in range(1, 10):
+        assert np.array_equal(lin.forward(x[:m]).numpy(), expected[:m]), m

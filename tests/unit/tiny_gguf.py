@@ -1,0 +1,154 @@
+"""GGUF files written by the tests: a tiny 2-layer Llama (SmolLM2's vocabulary and tokenizer, widths multiples of
+256) with its matrices in one block format, and the real SmolLM2 with its MLP down projections re-quantized to
+Q4_K and Q6_K as llama-quantize's Q4_K_M does (its other widths, 576, are no multiple of 256).
+
+K-quants have no quantizer in the gguf package: `quantize_q4_k` and `quantize_q6_k` are plain ones of our own
+(scales from each sub-block's range, no search), enough for weights a model can run on; what is served is checked
+against gguf's own `dequantize` of whatever bytes they write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from lmrpc.server.models.loader import default_gguf
+
+T = gguf.GGMLQuantizationType
+TINY = {"hidden": 256, "intermediate": 512, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 49152}
+
+
+def _fp16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 -> (fp16 bytes [..., 2], the fp16 values as float32)."""
+    h = v.astype(np.float16)
+    return h.view(np.uint8).reshape(*v.shape, 2), h.astype(np.float32)
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.divide(a, b, out=np.zeros_like(a), where=b > 0)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] (k a multiple of 256) -> Q4_K blocks, uint8 [n, k / 256 * 144]."""
+    n, k = w.shape
+    x = w.reshape(n, k // 256, 8, 32)
+    low = np.minimum(x.min(-1), 0)  # [n, S, 8]
+    step = (x.max(-1) - low) / 15
+    d_bytes, d = _fp16(step.max(-1) / 63)
+    m_bytes, dmin = _fp16(-low.min(-1) / 63)
+    sc = np.clip(np.round(_ratio(step, d[..., None])), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(_ratio(-low, dmin[..., None])), 0, 63).astype(np.uint8)
+    scale, offset = d[..., None] * sc, dmin[..., None] * m
+    q = np.clip(np.round(_ratio(x + offset[..., None], np.broadcast_to(scale[..., None], x.shape))), 0, 15)
+    q = q.astype(np.uint8)
+    packed = np.concatenate([
+        (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+        (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
+    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(n, k // 256, 128)
+    return np.concatenate([d_bytes, m_bytes, packed, qs], axis=-1).reshape(n, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] (k a multiple of 256) -> Q6_K blocks, uint8 [n, k / 256 * 210]."""
+    n, k = w.shape
+    x = w.reshape(n, k // 256, 16, 16)
+    step = np.abs(x).max(-1) / 31
+    d_bytes, d = _fp16(step.max(-1) / 127)
+    sc = np.clip(np.round(_ratio(step, d[..., None])), -128, 127).astype(np.int8)
+    scale = d[..., None] * sc
+    signed = np.clip(np.round(_ratio(x, np.broadcast_to(scale[..., None], x.shape))), -32, 31).astype(np.int16)
+    q = (signed + 32).astype(np.uint8).reshape(n, k // 256, 2, 128)  # halves of 128
+    ql = (q[..., :64] & 15) | ((q[..., 64:] & 15) << 4)  # [n, S, 2, 64]
+    top = (q >> 4).reshape(n, k // 256, 2, 4, 32)
+    qh = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+    return np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8), d_bytes],
+                          axis=-1).reshape(n, -1)
+
+
+def quantize(w: np.ndarray, qtype: T) -> np.ndarray:
+    if qtype == T.Q4_K:
+        return quantize_q4_k(w)
+    if qtype == T.Q6_K:
+        return quantize_q6_k(w)
+    if qtype == T.Q5_K:  # Q4_K's scales with a fifth bit: codes doubled from Q4_K's grid (a coarse but valid Q5_K)
+        q4 = quantize_q4_k(w).reshape(w.shape[0], -1, 144)
+        high = np.zeros((*q4.shape[:2], 32), np.uint8)
+        return np.concatenate([q4[..., :16], high, q4[..., 16:]], axis=-1).reshape(w.shape[0], -1)
+    return gguf.quants.quantize(w, qtype)
+
+
+def _copy_fields(src: gguf.GGUFReader, out: gguf.GGUFWriter, keep: tuple[str, ...]) -> None:
+    for field in src.fields.values():
+        if field.name.startswith(keep):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            out.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+
+
+def _write(out: gguf.GGUFWriter, tensors: dict[str, tuple[np.ndarray, T]]) -> None:
+    for name, (data, qtype) in tensors.items():
+        out.add_tensor(name, data, raw_dtype=qtype)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+
+
+def write_tiny_llama(path: Path, qtype: T, seed: int = 0, v_down: T | None = None) -> Path:
+    """A 2-layer random Llama (tied embeddings) with every matrix in `qtype` (the v and down projections in `v_down`
+    when given: Q4_K_M's mix is Q4_K with Q6_K there), norms in float32."""
+    rng = np.random.default_rng(seed)
+    c = TINY
+    head_dim = c["hidden"] // c["heads"]
+    out = gguf.GGUFWriter(str(path), "llama")
+    _copy_fields(gguf.GGUFReader(str(default_gguf())), out, ("tokenizer.",))
+    out.add_block_count(c["layers"])
+    out.add_context_length(4096)
+    out.add_embedding_length(c["hidden"])
+    out.add_feed_forward_length(c["intermediate"])
+    out.add_head_count(c["heads"])
+    out.add_head_count_kv(c["kv_heads"])
+    out.add_rope_freq_base(10000.0)
+    out.add_layer_norm_rms_eps(1e-5)
+    out.add_vocab_size(c["vocab"])
+    out.add_rope_dimension_count(head_dim)
+
+    def matrix(n: int, k: int, fmt: T = qtype) -> tuple[np.ndarray, T]:
+        return quantize((rng.standard_normal((n, k)) * 0.08).astype(np.float32), fmt), fmt
+
+    def norm(k: int) -> tuple[np.ndarray, T]:
+        return (1 + 0.1 * rng.standard_normal(k)).astype(np.float32), T.F32
+
+    h, f, kv = c["hidden"], c["intermediate"], c["kv_heads"] * head_dim
+    tensors = {"token_embd.weight": matrix(c["vocab"], h), "output_norm.weight": norm(h)}
+    for i in range(c["layers"]):
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": norm(h), f"blk.{i}.attn_q.weight": matrix(h, h),
+            f"blk.{i}.attn_k.weight": matrix(kv, h), f"blk.{i}.attn_v.weight": matrix(kv, h, v_down or qtype),
+            f"blk.{i}.attn_output.weight": matrix(h, h), f"blk.{i}.ffn_norm.weight": norm(h),
+            f"blk.{i}.ffn_gate.weight": matrix(f, h), f"blk.{i}.ffn_up.weight": matrix(f, h),
+            f"blk.{i}.ffn_down.weight": matrix(h, f, v_down or qtype),
+        }
+    _write(out, tensors)
+    return path
+
+
+def write_smollm2_k_quant(path: Path) -> Path:
+    """SmolLM2 with its MLP down projections (1536 wide) re-quantized from the file's values: Q6_K in every other
+    layer, Q4_K in the rest (Q4_K_M's mix); every other tensor as the file has it."""
+    src = gguf.GGUFReader(str(default_gguf()))
+    out = gguf.GGUFWriter(str(path), "llama")
+    _copy_fields(src, out, ("general.", "llama.", "tokenizer."))
+    tensors: dict[str, tuple[np.ndarray, T]] = {}
+    for t in src.tensors:
+        if t.name.endswith("ffn_down.weight"):
+            layer = int(t.name.split(".")[1])
+            n, k = int(t.shape[1]), int(t.shape[0])
+            values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(n, k)
+            qtype = T.Q6_K if layer % 2 else T.Q4_K
+            tensors[t.name] = (quantize(values, qtype), qtype)
+        else:
+            tensors[t.name] = (np.asarray(t.data), t.tensor_type)
+    _write(out, tensors)
+    return path
