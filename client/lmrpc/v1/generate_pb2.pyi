@@ -598,7 +598,7 @@ class SamplingParams(_message.Message):
     """Subtracted from a token's logit if it was generated at all. Default 0; range [-2, 2]."""
     repetition_penalty: _builtins.float
     """Divides positive (multiplies negative) logits of generated tokens. Model default, fallback 1.0;
-    range [0, 2]; 1 is off.
+    range (0, 2]; 1 is off.
     """
     min_new_tokens: _builtins.int
     """Stop tokens are forbidden until this many tokens were generated. Default 0; range [0, max_new_tokens]."""
@@ -638,7 +638,9 @@ class SamplingParams(_message.Message):
 
     @_builtins.property
     def stop_regex(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Stop regular expressions (Python `re` syntax) matched against the output's decoded tail."""
+        """Stop regular expressions (the syntax of Python's `regex` module, a superset of `re`) matched against the output's
+        decoded tail.
+        """
 
     @_builtins.property
     def custom_params(self) -> _struct_pb2.Struct:
