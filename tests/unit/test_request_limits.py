@@ -152,8 +152,13 @@ def test_stop_regex_is_compiled_once_at_validation_and_reused_by_every_output(sm
 
     from lmrpc.server.engine.detokenizer import OutputProcessor
 
+    import regex._main
+
+    regex.purge()
     pb = generate_pb2.SamplingParams(stop_regex=[r"\d+ dollars", "(?i)done"], n=3)
     params = validation.resolve_sampling(pb, "sampling_params", INFO, False, 4, "", False)
+    # users' patterns stay out of the regex module's own cache (500 of them kept tens of MiB after a burst)
+    assert len(regex._main._cache) == 0
     assert [p.pattern for p in params.stop_patterns] == [r"\d+ dollars", "(?i)done"]
     # each output's processor (the engine thread) takes the compiled patterns: nothing is compiled there
     processors = [OutputProcessor(smollm2_tokenizer, [1, 2], params, (2,)) for _ in range(params.n)]  # type: ignore[arg-type]

@@ -141,7 +141,7 @@ class OutputProcessor:
         self.regexes = params.stop_patterns  # compiled at validation
         if len(self.regexes) != len(params.stop_regex):  # an in-process caller's: compiled here
             try:
-                self.regexes = tuple(regex.compile(p) for p in params.stop_regex)
+                self.regexes = tuple(regex.compile(p, cache_pattern=False) for p in params.stop_regex)
             except regex.error as exc:
                 raise ValueError(f"stop_regex: invalid pattern: {exc}") from exc
         self.decoder = IncrementalDecoder(
