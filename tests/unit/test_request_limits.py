@@ -148,11 +148,10 @@ def test_a_models_unusable_sampling_defaults_are_mapped_or_dropped(caplog: pytes
 
 
 def test_stop_regex_is_compiled_once_at_validation_and_reused_by_every_output(smollm2_tokenizer: object) -> None:
+    import regex._main
     from scripted_engine import INFO
 
     from lmrpc.server.engine.detokenizer import OutputProcessor
-
-    import regex._main
 
     regex.purge()
     pb = generate_pb2.SamplingParams(stop_regex=[r"\d+ dollars", "(?i)done"], n=3)
