@@ -59,7 +59,7 @@ Run = Callable[[list[list[int]]], Figures]
 def lmrpc_worker(args: argparse.Namespace, dtype: str) -> Run:
     from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from lmrpc.server.engine.async_engine import AsyncEngine
-    from lmrpc.server.protocol import EngineRequest, SamplingParams
+    from lmrpc.server.engine.types import EngineRequest, SamplingParams
 
     engine = AsyncEngine.start(EngineConfig(
         model=ModelConfig(path=args.model, dtype=dtype, device="cpu", quantization=args.quantization),

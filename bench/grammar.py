@@ -32,7 +32,7 @@ import lmrpc.kernels.sampling as sampling_kernels
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.grammar import GrammarMatcher, PendingMasks
-from lmrpc.server.protocol import Constraint, EngineRequest, FinishReason, SamplingParams
+from lmrpc.server.engine.types import Constraint, EngineRequest, FinishReason, SamplingParams
 
 SCHEMA = {
     "type": "array",

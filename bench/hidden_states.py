@@ -32,8 +32,8 @@ from typing import ParamSpec, TypeVar
 from lmrpc.server.config import EngineConfig, ModelConfig
 from lmrpc.server.engine import hidden_states
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineRequest, HiddenStatesMode, SamplingParams
 from lmrpc.server.models.loader import default_gguf
-from lmrpc.server.protocol import EngineRequest, HiddenStatesMode, SamplingParams
 
 P = ParamSpec("P")
 R = TypeVar("R")

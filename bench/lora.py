@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 
 from lmrpc.server.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineRequest, SamplingParams
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.loader import default_gguf, load_model
-from lmrpc.server.protocol import EngineRequest, SamplingParams
 
 
 def write_adapters(model_path: str, root: Path, count: int, rank: int) -> list[str]:

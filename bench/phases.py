@@ -24,7 +24,7 @@ from typing import Any
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import ScheduledBatch
-from lmrpc.server.protocol import EngineRequest, SamplingParams
+from lmrpc.server.engine.types import EngineRequest, SamplingParams
 
 PHASES = ("_sample", "_update", "_emit")  # Engine methods timed besides the forward
 

@@ -62,7 +62,7 @@ if [[ "$DEV" == 1 ]]; then
 fi
 
 # The namespace package lmrpc spans client/, server/ and kernels/: check that all of it resolves outside the tree.
-(cd / && "$VENV/bin/python" -c "import lmrpc.v1.generate_pb2, lmrpc.client, lmrpc.server.protocol, lmrpc.kernels") || {
+(cd / && "$VENV/bin/python" -c "import lmrpc.v1.generate_pb2, lmrpc.client, lmrpc.server.engine.types, lmrpc.kernels") || {
   echo "setup: the installed lmrpc packages do not import (see the error above)" >&2
   exit 1
 }

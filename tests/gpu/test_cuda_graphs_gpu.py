@@ -11,7 +11,7 @@ import torch
 
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
-from lmrpc.server.protocol import EngineRequest, SamplingParams
+from lmrpc.server.engine.types import EngineRequest, SamplingParams
 
 try:
     import flashinfer  # noqa: F401

@@ -19,20 +19,13 @@ import grpc
 
 from lmrpc.server.config import EngineConfig, LoraConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, EngineStats, Finish, FinishReason, Usage
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.generate.service import GenerateService
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.lora.registry import LoraRegistry
 from lmrpc.server.metrics import Metrics
-from lmrpc.server.protocol import (
-    EngineOutput,
-    EngineRequest,
-    EngineStats,
-    Finish,
-    FinishReason,
-    ModelInfo,
-    Usage,
-)
+from lmrpc.server.models.types import ModelInfo
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 HANG = 7  # first prompt token that makes an output hang after its first token

@@ -17,9 +17,10 @@ from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, Schedule
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.executor import ModelExecutor
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, Sequence
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 from lmrpc.server.media.types import Media, Modality, MultimodalPrompt
 from lmrpc.server.models.loader import LoadedModel
-from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PromptMedia, SamplingParams
+from lmrpc.server.models.types import PromptMedia
 
 TOP = 5  # logprob alternatives compared at every position
 PAGE = 16

@@ -23,22 +23,22 @@ from lmrpc.server.config import EngineConfig, LoraConfig, SchedulerConfig, Serve
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.detokenizer import OutputProcessor
 from lmrpc.server.engine.grammar_limits import GrammarError
-from lmrpc.server.frontend import Frontend
-from lmrpc.server.load import LoadTracker
-from lmrpc.server.lora.registry import LoraRegistry
-from lmrpc.server.openai.service import OpenAIService
-from lmrpc.server.protocol import (
+from lmrpc.server.engine.types import (
     Constraint,
     EngineOutput,
     EngineRequest,
     EngineStats,
     Finish,
     FinishReason,
-    ModelInfo,
     PositionLogprobs,
     TokenLogprob,
     Usage,
 )
+from lmrpc.server.frontend import Frontend
+from lmrpc.server.load import LoadTracker
+from lmrpc.server.lora.registry import LoraRegistry
+from lmrpc.server.models.types import ModelInfo
+from lmrpc.server.openai.service import OpenAIService
 from lmrpc.v1 import openai_pb2_grpc
 
 EOS = 2

@@ -11,7 +11,7 @@ import pytest
 import regex
 
 from lmrpc.server.engine.detokenizer import REGEX_WINDOW, REPLACEMENT, OutputProcessor, decode_token
-from lmrpc.server.protocol import Finish, FinishReason, SamplingParams
+from lmrpc.server.engine.types import Finish, FinishReason, SamplingParams
 
 EOS = 2  # <|im_end|>
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

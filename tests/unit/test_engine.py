@@ -15,13 +15,7 @@ import pytest
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.live import _Abort, _Add
-from lmrpc.server.protocol import (
-    EngineOutput,
-    EngineRequest,
-    FinishReason,
-    LogprobOptions,
-    SamplingParams,
-)
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, FinishReason, LogprobOptions, SamplingParams
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40000  # ordinary tokens of the real tokenizer (no specials)
 

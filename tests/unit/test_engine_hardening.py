@@ -16,7 +16,7 @@ from test_engine import make_engine, random_prompt, request, tokens, wait_idle
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.engine import EngineUnavailable
 from lmrpc.server.engine.sequence import ScheduledBatch
-from lmrpc.server.protocol import EngineOutput, FinishReason, SamplingParams
+from lmrpc.server.engine.types import EngineOutput, FinishReason, SamplingParams
 
 BOUND = 8  # max_buffered_outputs of the engine below
 LONG = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)

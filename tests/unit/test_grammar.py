@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, MaskFiller
-from lmrpc.server.protocol import (
+from lmrpc.server.engine.types import (
     Constraint,
     ConstraintKind,
     EngineRequest,

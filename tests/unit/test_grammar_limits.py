@@ -29,7 +29,7 @@ from lmrpc.server.engine.grammar_limits import (
     json_shape,
     readable,
 )
-from lmrpc.server.protocol import Constraint, ConstraintKind
+from lmrpc.server.engine.types import Constraint, ConstraintKind
 
 VOCAB = 49152
 
@@ -239,7 +239,7 @@ _CHILD = """
 import json, sys, time
 from transformers import AutoTokenizer
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarLimits
-from lmrpc.server.protocol import Constraint
+from lmrpc.server.engine.types import Constraint
 sys.path.insert(0, sys.argv[2])
 from test_grammar_limits import gbnf_chain, lark_chain, nested_schema, ref_chain
 

@@ -17,7 +17,7 @@ from lmrpc.server.engine import grammar as grammar_module
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarError, _Bounded
 from lmrpc.server.engine.heap import HeapTrimmer, _malloc_trim
-from lmrpc.server.protocol import Constraint, EngineRequest, SamplingParams
+from lmrpc.server.engine.types import Constraint, EngineRequest, SamplingParams
 
 VOCAB = 49152
 

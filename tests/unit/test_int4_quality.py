@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from lmrpc.kernels import native
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
-from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not native.available(), reason="int4 needs the native kernels")]
 

@@ -30,7 +30,7 @@ from lmrpc.kernels import native
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import Sequence
-from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="route invariance rests on the native kernels")
 

@@ -19,8 +19,8 @@ from lmrpc.server.config import SchedulerConfig
 from lmrpc.server.engine.kv_cache import CachedPage, KVCacheManager
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import SeqStatus, Sequence
+from lmrpc.server.engine.types import EngineRequest, SamplingParams
 from lmrpc.server.load import Load
-from lmrpc.server.protocol import EngineRequest, SamplingParams
 from lmrpc.server.sglang.kv_events import Block, Cleared, KvEventLog, Removed, Stored, Subscription, block_hash
 from lmrpc.server.sglang.kv_stream import KvEventStream, LoadReading, StreamEnded
 

@@ -6,6 +6,8 @@ the server. Read from the source (ast), so a rule broken anywhere, even in a fun
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,13 @@ def test_the_rules_can_fail(rule: dict[str, tuple[str, ...]], tmp_path: Path, mo
                                     f"{planted.relative_to(ROOT)} imports lmrpc.server.{target}.anything"]
     finally:
         planted.unlink()
+
+
+def test_the_scheduler_kv_cache_and_types_import_no_torch() -> None:
+    """Scheduler and KV-cache bookkeeping (and the types they carry) run without torch: they test in milliseconds and
+    a front door's types never pull in the model stack."""
+    modules = ("lmrpc.server.engine.scheduler", "lmrpc.server.engine.kv_cache", "lmrpc.server.engine.types",
+               "lmrpc.server.models.types")
+    code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

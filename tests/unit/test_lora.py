@@ -31,13 +31,13 @@ from lmrpc.server import validation
 from lmrpc.server.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import ScheduledBatch
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
 from lmrpc.server.lora.registry import LoadedAdapter, LoraRegistry
 from lmrpc.server.models import ForwardContext
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.loader import load_model
 from lmrpc.server.models.lora_delta import RowGroup
-from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 
 PAGE = 16
 

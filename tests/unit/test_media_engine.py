@@ -20,8 +20,9 @@ from multimodal_run import PAGE, Result, image, request, run, start
 from lmrpc.kernels import native
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, FinishReason
 from lmrpc.server.media.types import Media, MultimodalProcessor, MultimodalPrompt
-from lmrpc.server.protocol import EngineOutput, EngineRequest, FinishReason, MediaSpan, PromptMedia
+from lmrpc.server.models.types import MediaSpan, PromptMedia
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="bitwise equality rests on the native kernels")
 

@@ -19,10 +19,10 @@ from transformers import PreTrainedTokenizerBase
 
 from lmrpc.server.config import EngineConfig, MediaConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineRequest
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.generate.service import GenerateService
 from lmrpc.server.media.types import Media, MediaError, Modality, MultimodalPrompt
-from lmrpc.server.protocol import EngineRequest
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc, openai_pb2, openai_pb2_grpc
 
 IMG, AUD = 500, 501  # the fake model's placeholder ids

@@ -20,8 +20,8 @@ from test_engine import collect, make_engine, request
 from lmrpc.server.__main__ import parse_args
 from lmrpc.server.config import ServerConfig
 from lmrpc.server.engine.engine import adapter_names
+from lmrpc.server.engine.types import EngineOutput, EngineStats, Finish, FinishReason, SamplingParams, Usage
 from lmrpc.server.metrics import Metrics, MetricsServer, OutputTimeline
-from lmrpc.server.protocol import EngineOutput, EngineStats, Finish, FinishReason, SamplingParams, Usage
 
 
 def samples(metrics: Metrics) -> dict[str, list[Sample]]:

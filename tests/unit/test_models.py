@@ -25,12 +25,12 @@ from lmrpc.kernels.attention import select_backend
 from lmrpc.kernels.paged import AttentionBackend, ChunkSpec
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineRequest, SamplingParams
 from lmrpc.server.models import CausalLM, ForwardContext
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import DenseLinear
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.loader import load_model
-from lmrpc.server.protocol import EngineRequest, SamplingParams
 
 PAGE = 16  # the native kernels' smallest page; the sequences below still span several, in scrambled order
 

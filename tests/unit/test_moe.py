@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from lmrpc.kernels import native
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 from lmrpc.server.models.loader import load_model
 from lmrpc.server.models.moe import MoEForCausalLM, SparseMLP
-from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 

@@ -20,8 +20,8 @@ from lmrpc.server.models import ForwardContext
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.mrope import GridSpan, mrope_positions
 from lmrpc.server.models.quantized import LinearBuilder, Quantization
+from lmrpc.server.models.types import RopePositions
 from lmrpc.server.models.weights import SafetensorsWeights
-from lmrpc.server.protocol import RopePositions
 
 PAGE = 16
 IMAGE = 500  # the image placeholder id of the rule tests' config

@@ -27,7 +27,7 @@ from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.media.types import Media, MediaError, Modality, MultimodalProcessor
 from lmrpc.server.models.loader import LoadedModel, load_model
 from lmrpc.server.models.multimodal.qwen2_audio import MIN_FRAMES, Qwen2AudioLM, _positions
-from lmrpc.server.protocol import PromptMedia
+from lmrpc.server.models.types import PromptMedia
 from lmrpc.v1 import generate_pb2, openai_pb2
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native model path")

@@ -28,7 +28,7 @@ from lmrpc.server.media import decode
 from lmrpc.server.media.types import Media, MediaError, Modality, MultimodalProcessor
 from lmrpc.server.models.loader import LoadedModel, load_model
 from lmrpc.server.models.multimodal.llava import LlavaLM
-from lmrpc.server.protocol import PromptMedia
+from lmrpc.server.models.types import PromptMedia
 from lmrpc.v1 import generate_pb2
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native model path")

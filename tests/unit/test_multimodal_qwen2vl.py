@@ -33,7 +33,7 @@ from lmrpc.server.media import decode
 from lmrpc.server.media.types import Media, MediaError, MediaOptions, Modality, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.models.loader import LoadedModel, load_model
 from lmrpc.server.models.multimodal.qwen2_vl import Qwen2_5_VLLM, Qwen2VLLM
-from lmrpc.server.protocol import PromptMedia
+from lmrpc.server.models.types import PromptMedia
 from lmrpc.v1 import openai_pb2
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native model path")

@@ -12,11 +12,11 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lmrpc.server.__main__ import parse_args, read_chat_template
+from lmrpc.server.engine.types import SamplingParams
 from lmrpc.server.openai import fim
 from lmrpc.server.openai.chat_template import ChatTemplate, template_message
 from lmrpc.server.openai.logprobs import TokenTexts
 from lmrpc.server.openai.validation import ToolSpec
-from lmrpc.server.protocol import SamplingParams
 from lmrpc.server.validation import RequestError
 from lmrpc.v1 import openai_pb2
 

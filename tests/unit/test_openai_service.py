@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lmrpc.client import AsyncClient, Client, CompletionFinishReason, LmrpcError, merge_chat, merge_completion
 from lmrpc.client.cli import main as cli_main
-from lmrpc.server.protocol import EngineRequest
+from lmrpc.server.engine.types import EngineRequest
 from lmrpc.v1 import openai_pb2, openai_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)

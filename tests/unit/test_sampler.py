@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lmrpc.server.engine.sampler import Sampler, SamplingRow, SamplingState, prompt_logprobs
+from lmrpc.server.engine.types import LogprobOptions, SamplingParams
 from lmrpc.server.logit_processors import ProcessorRegistry
-from lmrpc.server.protocol import LogprobOptions, SamplingParams
 
 V = 16
 EOS = 2

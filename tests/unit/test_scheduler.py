@@ -9,7 +9,7 @@ from lmrpc.server.config import SchedulerConfig
 from lmrpc.server.engine.kv_cache import KVCacheManager
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, SeqStatus, Sequence
-from lmrpc.server.protocol import EngineRequest, LogprobOptions, SamplingParams
+from lmrpc.server.engine.types import EngineRequest, LogprobOptions, SamplingParams
 
 
 def seq(prompt: list[int], max_new: int = 8, *, logprob_start: int | None = None) -> Sequence:

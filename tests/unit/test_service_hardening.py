@@ -26,9 +26,9 @@ from lmrpc.server import auth, load
 from lmrpc.server.auth import ApiKeys, AuthInterceptor
 from lmrpc.server.config import EngineConfig, SchedulerConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineStats
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.generate.service import GenerateService
-from lmrpc.server.protocol import EngineStats
 from lmrpc.server.watchdog import EngineState, Watchdog
 from lmrpc.server.wire import WireInterceptor
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc

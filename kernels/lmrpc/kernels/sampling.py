@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-GREEDY_TEMPERATURE = 1e-6  # below this a row is greedy (mirrors lmrpc.server.protocol)
+GREEDY_TEMPERATURE = 1e-6  # below this a row is greedy (mirrors lmrpc.server.engine.types)
 _MASK64 = (1 << 64) - 1
 
 RowProcessor = Callable[[torch.Tensor], "torch.Tensor | None"]  # logits row [vocab] -> None (in place) or new row

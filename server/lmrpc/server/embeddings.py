@@ -9,7 +9,7 @@ import hashlib
 
 import numpy as np
 
-from lmrpc.server.protocol import PromptEmbeddings
+from lmrpc.server.engine.types import PromptEmbeddings
 
 DIGEST_BYTES = 16  # blake2b-128 per row: collisions are out of reach for any cache size
 

@@ -21,11 +21,11 @@ from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.engine import EngineUnavailable
 from lmrpc.server.engine.grammar_limits import GrammarError
+from lmrpc.server.engine.types import EngineRequest, SamplingParams
 from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.media import ingest
 from lmrpc.server.media.types import MediaError, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.metrics import Metrics
-from lmrpc.server.protocol import EngineRequest, SamplingParams
 from lmrpc.server.telemetry import CallObserver
 
 T = TypeVar("T")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
-from lmrpc.server.protocol import EngineStats
+from lmrpc.server.engine.types import EngineStats
 
 WINDOW = 60.0  # seconds of history behind every figure
 MAX_QUEUE_SAMPLES = 4096  # queue times kept (the newest), so a burst cannot grow the tracker without bound

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from lmrpc.server.protocol import EngineOutput, EngineStats, Usage
+from lmrpc.server.engine.types import EngineOutput, EngineStats, Usage
 
 PREFIX = "lmrpc:"
 VLLM = "vllm:"  # the names routers built for vLLM read

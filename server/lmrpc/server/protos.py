@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lmrpc.server.engine.types import Finish, PositionLogprobs, RoutedExperts, TokenLogprob, Usage
 from lmrpc.server.lora.registry import AdapterInfo
-from lmrpc.server.protocol import ExpertsInfo, Finish, PositionLogprobs, RoutedExperts, TokenLogprob, Usage
+from lmrpc.server.models.types import ExpertsInfo
 from lmrpc.v1 import generate_pb2
 
 

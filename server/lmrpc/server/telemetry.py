@@ -21,8 +21,8 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, FinishReason
 from lmrpc.server.metrics import Metrics, OutputTimeline
-from lmrpc.server.protocol import EngineOutput, EngineRequest, FinishReason
 
 REQUEST_LOGGER = "lmrpc.server.requests"  # one record per finished output, fields in `record.fields`
 _request_log = logging.getLogger(REQUEST_LOGGER)

@@ -23,11 +23,12 @@ from google.protobuf import any_pb2, duration_pb2, json_format
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from lmrpc.server.embeddings import prompt_embeddings
+from lmrpc.server.engine.types import Constraint, HiddenStatesMode, PromptEmbeddings, SamplingParams
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
 from lmrpc.server.media.ingest import WireItem
 from lmrpc.server.media.sources import SourceError, SourceErrorKind
 from lmrpc.server.media.types import MediaError, Modality
-from lmrpc.server.protocol import Constraint, HiddenStatesMode, ModelInfo, PromptEmbeddings, SamplingParams
+from lmrpc.server.models.types import ModelInfo
 from lmrpc.server.userinput import clip
 from lmrpc.v1 import generate_pb2, openai_pb2
 

@@ -20,11 +20,12 @@ from lmrpc.server.engine.engine import Engine, EngineUnavailable
 from lmrpc.server.engine.grammar import GrammarBackend
 from lmrpc.server.engine.kv_cache import CacheListener
 from lmrpc.server.engine.live import OutputFlow, _Abort, _Add, _Call, _Stop, _Wake
+from lmrpc.server.engine.types import Constraint, EngineOutput, EngineRequest, EngineStats
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.logit_processors import ProcessorRegistry
 from lmrpc.server.media.types import MultimodalProcessor
 from lmrpc.server.models.loader import default_gguf, load_model
-from lmrpc.server.protocol import Constraint, EngineOutput, EngineRequest, EngineStats, ModelInfo
+from lmrpc.server.models.types import ModelInfo
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -107,7 +108,7 @@ class AsyncEngine:
 
     def warmup(self) -> None:
         """Run one tiny generation so the first real request doesn't pay one-time costs (blocking)."""
-        from lmrpc.server.protocol import SamplingParams
+        from lmrpc.server.engine.types import SamplingParams
 
         done = threading.Event()
         request = EngineRequest(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import regex
 
-from lmrpc.server.protocol import Finish, FinishReason, SamplingParams
+from lmrpc.server.engine.types import Finish, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

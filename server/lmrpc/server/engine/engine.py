@@ -38,20 +38,20 @@ from lmrpc.server.engine.outbox import Outbox
 from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
-from lmrpc.server.load import LoadTracker
-from lmrpc.server.logit_processors import ProcessorRegistry
-from lmrpc.server.lora.registry import LoraRegistry
-from lmrpc.server.models.loader import LoadedModel
-from lmrpc.server.protocol import (
+from lmrpc.server.engine.types import (
     Constraint,
     EngineRequest,
     EngineStats,
     Finish,
     FinishReason,
-    ModelInfo,
     PositionLogprobs,
     TokenLogprob,
 )
+from lmrpc.server.load import LoadTracker
+from lmrpc.server.logit_processors import ProcessorRegistry
+from lmrpc.server.lora.registry import LoraRegistry
+from lmrpc.server.models.loader import LoadedModel
+from lmrpc.server.models.types import ModelInfo
 
 if TYPE_CHECKING:
     import torch

@@ -19,12 +19,12 @@ from lmrpc.server.config import EngineConfig
 from lmrpc.server.engine import media_rows
 from lmrpc.server.engine.cuda_graphs import CudaGraphRunner, default_buckets
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, Sequence
+from lmrpc.server.engine.types import HiddenStatesMode
 from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.models import ForwardContext
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.loader import LoadedModel
 from lmrpc.server.models.lora_delta import RowGroup
-from lmrpc.server.protocol import HiddenStatesMode
 
 logger = logging.getLogger(__name__)
 

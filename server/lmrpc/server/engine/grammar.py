@@ -34,7 +34,7 @@ from lmrpc.server.engine.grammar_limits import (
     shared_threads,
 )
 from lmrpc.server.engine.structural_tag import parse_structural_tag, structural_tag_lark, tag_limit_error
-from lmrpc.server.protocol import Constraint
+from lmrpc.server.engine.types import Constraint
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from lmrpc.server.engine.executor import HiddenRows
 from lmrpc.server.engine.live import LiveRequest
-from lmrpc.server.protocol import HiddenStatesMode
+from lmrpc.server.engine.types import HiddenStatesMode
 
 
 def record(live: LiveRequest, chunk: HiddenRows) -> None:

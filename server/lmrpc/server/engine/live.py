@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lmrpc.server.engine.sequence import Sequence
-from lmrpc.server.protocol import EngineOutput, EngineRequest, PositionLogprobs
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, PositionLogprobs
 
 if TYPE_CHECKING:
     from lmrpc.server.engine.detokenizer import OutputProcessor

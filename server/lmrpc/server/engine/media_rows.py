@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, Sequence
-from lmrpc.server.protocol import EngineRequest, MediaSpan, ModelInfo
+from lmrpc.server.engine.types import EngineRequest
+from lmrpc.server.models.types import MediaSpan, ModelInfo
 
 
 class MediaEncoder(Protocol):

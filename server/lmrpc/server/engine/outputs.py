@@ -9,7 +9,7 @@ from lmrpc.server.engine import hidden_states, routed_experts
 from lmrpc.server.engine.detokenizer import decode_token
 from lmrpc.server.engine.live import LiveRequest
 from lmrpc.server.engine.sequence import Sequence
-from lmrpc.server.protocol import EngineOutput, EngineRequest, Finish, PositionLogprobs, TokenLogprob, Usage
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, Finish, PositionLogprobs, TokenLogprob, Usage
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

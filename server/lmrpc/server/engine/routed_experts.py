@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from lmrpc.server.engine.executor import RoutedRows
 from lmrpc.server.engine.live import LiveRequest
-from lmrpc.server.protocol import RoutedExperts
+from lmrpc.server.engine.types import RoutedExperts
 
 
 def record(live: LiveRequest, chunk: RoutedRows) -> None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from lmrpc.kernels.sampling import LogprobRequest, Penalties, SamplingInputs, SamplingOutput, sample, seed_key
+from lmrpc.server.engine.types import LogprobOptions, PositionLogprobs, SamplingParams, TokenLogprob
 from lmrpc.server.logit_processors import LogitProcessor
-from lmrpc.server.protocol import LogprobOptions, PositionLogprobs, SamplingParams, TokenLogprob
 
 
 class SamplingState:

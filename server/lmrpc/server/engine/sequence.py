@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmrpc.server.protocol import EngineRequest, Finish, HiddenStatesMode
+from lmrpc.server.engine.types import EngineRequest, Finish, HiddenStatesMode
 
 _arrival = itertools.count()
 

@@ -11,13 +11,13 @@ import grpc
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineRequest, LogprobOptions, PromptEmbeddings
 from lmrpc.server.frontend import Frontend, check_constraint
 from lmrpc.server.lora.errors import MAX_NAME_CHARS, AdapterError
 from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.media import ingest
 from lmrpc.server.pipeline.fanout import PromptPlan, engine_requests
 from lmrpc.server.pipeline.gather import Gathered
-from lmrpc.server.protocol import EngineRequest, LogprobOptions, PromptEmbeddings
 from lmrpc.server.protos import adapter_pb, hidden_pb, position_pb, routed_pb, set_finish
 from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from lmrpc.kernels.paged import AttentionBackend
 
 

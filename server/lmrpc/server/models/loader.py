@@ -29,8 +29,8 @@ from lmrpc.server.models import CausalLM, load_registry
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import resolve_dtype
 from lmrpc.server.models.quantized import LinearBuilder, Quantization, quantization_name
+from lmrpc.server.models.types import ExpertsInfo, ModelInfo
 from lmrpc.server.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
-from lmrpc.server.protocol import ExpertsInfo, ModelInfo
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from lmrpc.server.models.linear import LinearLayer
 from lmrpc.server.models.llama import Layer, LlamaForCausalLM
 from lmrpc.server.models.lora_delta import RowGroup
 from lmrpc.server.models.quantized import LinearBuilder
+from lmrpc.server.models.types import ExpertsInfo
 from lmrpc.server.models.weights import WeightSource, stack_rows
-from lmrpc.server.protocol import ExpertsInfo
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lmrpc.server.protocol import RopePositions
+from lmrpc.server.models.types import RopePositions
 
 
 @dataclass(frozen=True)

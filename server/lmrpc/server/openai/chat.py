@@ -14,6 +14,7 @@ import grpc
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, Finish, LogprobOptions
 from lmrpc.server.frontend import Frontend, check_constraint
 from lmrpc.server.media.types import Modality, MultimodalProcessor
 from lmrpc.server.openai import tools
@@ -21,7 +22,6 @@ from lmrpc.server.openai import validation as rules
 from lmrpc.server.openai.chat_template import RESERVED_KWARGS, ChatTemplate
 from lmrpc.server.openai.choices import CallUsage, Candidate, engine_requests, set_finish, set_model_outputs
 from lmrpc.server.openai.logprobs import TokenTexts, chat_logprobs
-from lmrpc.server.protocol import EngineOutput, EngineRequest, Finish, LogprobOptions
 from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import openai_pb2
 

@@ -7,22 +7,21 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lmrpc.server.engine.types import (
+    AdapterRef,
+    EngineOutput,
+    EngineRequest,
+    Finish,
+    FinishReason,
+    LogprobOptions,
+    RoutedExperts,
+    SamplingParams,
+)
+from lmrpc.server.models.types import ExpertsInfo, PromptMedia
 from lmrpc.server.openai.validation import ModelOutputs
 from lmrpc.server.pipeline import fanout
 from lmrpc.server.pipeline.fanout import PromptPlan
 from lmrpc.server.pipeline.gather import Gathered
-from lmrpc.server.protocol import (
-    AdapterRef,
-    EngineOutput,
-    EngineRequest,
-    ExpertsInfo,
-    Finish,
-    FinishReason,
-    LogprobOptions,
-    PromptMedia,
-    RoutedExperts,
-    SamplingParams,
-)
 from lmrpc.server.protos import hidden_pb, routed_pb
 from lmrpc.v1 import openai_pb2
 

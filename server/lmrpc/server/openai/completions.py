@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, SamplingParams
 from lmrpc.server.frontend import check_constraint
 from lmrpc.server.openai import fim
 from lmrpc.server.openai import validation as rules
@@ -23,7 +24,6 @@ from lmrpc.server.openai.choices import (
     set_model_outputs,
 )
 from lmrpc.server.openai.logprobs import CompletionLogprobsWriter, TokenTexts
-from lmrpc.server.protocol import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, SamplingParams
 from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import openai_pb2
 

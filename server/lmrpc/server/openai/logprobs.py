@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from google.protobuf import struct_pb2
 
 from lmrpc.server.engine.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDecoder, decode_token
-from lmrpc.server.protocol import PositionLogprobs, SamplingParams, TokenLogprob
+from lmrpc.server.engine.types import PositionLogprobs, SamplingParams, TokenLogprob
 from lmrpc.v1 import openai_pb2
 
 if TYPE_CHECKING:

@@ -9,11 +9,11 @@ from typing import Protocol, TypeVar, cast
 import grpc
 
 from lmrpc.server import validation
+from lmrpc.server.engine.types import EngineOutput, EngineRequest
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.openai import chat, completions, fim
 from lmrpc.server.openai.chat_template import ChatTemplate
 from lmrpc.server.openai.choices import EngineFailure
-from lmrpc.server.protocol import EngineOutput, EngineRequest
 from lmrpc.server.telemetry import CallObserver
 from lmrpc.v1 import openai_pb2, openai_pb2_grpc
 

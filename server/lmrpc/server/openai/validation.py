@@ -14,9 +14,10 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 from lmrpc.server import validation
+from lmrpc.server.engine.types import ConstraintKind, HiddenStatesMode
 from lmrpc.server.media.ingest import WireItem
 from lmrpc.server.media.types import Modality
-from lmrpc.server.protocol import ConstraintKind, HiddenStatesMode, ModelInfo
+from lmrpc.server.models.types import ModelInfo
 from lmrpc.server.validation import Collector, RequestError, Violation
 from lmrpc.v1 import generate_pb2, openai_pb2
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from lmrpc.server.protocol import (
+from lmrpc.server.engine.types import (
     AdapterRef,
     EngineRequest,
     HiddenStatesMode,
     LogprobOptions,
     PromptEmbeddings,
-    PromptMedia,
     SamplingParams,
 )
+from lmrpc.server.models.types import PromptMedia
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmrpc.server.protocol import EngineOutput, Finish, PositionLogprobs, RoutedExperts, Usage
+from lmrpc.server.engine.types import EngineOutput, Finish, PositionLogprobs, RoutedExperts, Usage
 
 
 @dataclass

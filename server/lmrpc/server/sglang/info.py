@@ -16,7 +16,7 @@ from lmrpc.server import validation
 from lmrpc.server.config import EngineConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.load import Load
-from lmrpc.server.protocol import ModelInfo
+from lmrpc.server.models.types import ModelInfo
 
 VERSION = "lmrpc"  # what GetLoads and GetServerInfo name as the engine's version
 DEFAULT_MAX_NEW_TOKENS = 128  # validation.resolve_sampling's default when max_new_tokens is absent

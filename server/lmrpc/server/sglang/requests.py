@@ -18,7 +18,8 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sgl
 
 from lmrpc.server import validation
 from lmrpc.server.config import RequestLimits
-from lmrpc.server.protocol import LogprobOptions, ModelInfo, SamplingParams
+from lmrpc.server.engine.types import LogprobOptions, SamplingParams
+from lmrpc.server.models.types import ModelInfo
 from lmrpc.v1 import generate_pb2
 
 INT32_MAX = 2**31 - 1  # lmrpc.v1's counts are int32; SMG's are uint32 (a larger value is refused by the bounds)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as sgl
 
+from lmrpc.server.engine.types import EngineOutput, Finish, FinishReason, PositionLogprobs, TokenLogprob
 from lmrpc.server.pipeline.gather import Gathered
-from lmrpc.server.protocol import EngineOutput, Finish, FinishReason, PositionLogprobs, TokenLogprob
 
 _REASONS = {FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}  # every other reason is "stop"
 

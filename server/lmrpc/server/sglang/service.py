@@ -22,11 +22,11 @@ from smg_grpc_proto.generated import common_pb2
 
 from lmrpc.server import validation
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.types import EngineRequest
 from lmrpc.server.frontend import Frontend, check_constraint
 from lmrpc.server.lora.errors import AdapterError
 from lmrpc.server.lora.registry import LoadedAdapter
 from lmrpc.server.pipeline.fanout import PromptPlan, engine_requests
-from lmrpc.server.protocol import EngineRequest
 from lmrpc.server.sglang import info, requests, responses
 from lmrpc.server.sglang.kv_events import KvEventLog
 from lmrpc.server.sglang.kv_stream import KvEventStream, LoadReading, StreamEnded

@@ -22,8 +22,8 @@ from transformers import AutoProcessor, PretrainedConfig
 from lmrpc.server.media.types import Media, Modality, MultimodalProcessor
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.quantized import LinearBuilder
+from lmrpc.server.models.types import MediaSpan
 from lmrpc.server.models.weights import Matrix, WeightSource
-from lmrpc.server.protocol import MediaSpan
 
 # Where transformers versions put the language model's weights: ours are named as a causal LM's ("model.*",
 # "lm_head.*"); a checkpoint may hold them under either prefix of each pair (first found wins).

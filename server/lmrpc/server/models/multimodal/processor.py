@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from lmrpc.server.media import decode
 from lmrpc.server.media.types import Media, MediaError, Modality, MultimodalPrompt
 from lmrpc.server.models.multimodal.base import EncoderInput, Placeholder, span_key
-from lmrpc.server.protocol import MediaSpan, PromptMedia
+from lmrpc.server.models.types import MediaSpan, PromptMedia
 
 if TYPE_CHECKING:
     from lmrpc.server.models.multimodal.base import MultimodalLM

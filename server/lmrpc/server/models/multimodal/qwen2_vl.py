@@ -30,8 +30,8 @@ from lmrpc.server.models import register
 from lmrpc.server.models.mrope import GridSpan, mrope_positions
 from lmrpc.server.models.multimodal.base import EncoderInput, MultimodalLM, Placeholder, load_module
 from lmrpc.server.models.multimodal.processor import MediaPromptProcessor
+from lmrpc.server.models.types import PromptMedia
 from lmrpc.server.models.weights import WeightSource
-from lmrpc.server.protocol import PromptMedia
 
 IMAGE_TOKEN = "<|image_pad|>"
 
