@@ -1,8 +1,7 @@
 """What every servicer of the engine shares: the engine once loaded, the drain flag, admission control (outputs in
 flight against the server's limit, and per client), request ids, the replica's load, the observation of a call
 (metrics, span, request log; an engine that cannot serve ends it UNAVAILABLE), the check of a structured-output
-constraint, and the media path (items checked,
-read and decoded, then placed in their prompts by the model's processor and attached to their engine requests)."""
+constraint, and a call's media handed to media/prepare.py with its failures mapped to statuses."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from lmrpc.server.engine.engine import EngineUnavailable
 from lmrpc.server.engine.grammar_limits import GrammarError
 from lmrpc.server.engine.types import EngineRequest, SamplingParams
 from lmrpc.server.lora.registry import LoadedAdapter
-from lmrpc.server.media import ingest
+from lmrpc.server.media import ingest, prepare
 from lmrpc.server.media.types import MediaError, MultimodalProcessor, MultimodalPrompt
 from lmrpc.server.metrics import Metrics
 from lmrpc.server.telemetry import CallObserver
@@ -110,33 +109,24 @@ class Frontend:
         """The loaded model's multimodal processor; None for a text-only model."""
         return self.engine.media_processor
 
+    def media_target(self) -> prepare.MediaTarget:
+        info = self.engine.model_info
+        return prepare.MediaTarget(self.multimodal_processor(), info.architecture, info.hidden_size)
+
     def check_media_items(self, items: Sequence[Sequence[ingest.WireItem]]) -> None:
-        """Each prompt's items are of kinds the model takes, and at most --max-media-items: refused before anything is
-        fetched, decoded or rendered."""
-        processor = self.multimodal_processor()
-        validation.check_media_items(items, processor.modalities if processor is not None else frozenset(),
-                                     self.engine.model_info.architecture, self.server_config.media.max_media_items)
+        """Each prompt's items are of kinds the model takes, and at most --max-media-items (media/prepare.py)."""
+        try:
+            prepare.check_items(items, self.media_target(), self.server_config.media.max_media_items)
+        except prepare.MediaRefused as exc:
+            raise validation.media_error(exc) from exc
 
     async def prepare_media(self, prompts: Sequence[Sequence[int]], items: Sequence[Sequence[ingest.WireItem]]
                             ) -> list[MultimodalPrompt | None]:
-        """Each prompt with its media items placed by the model's processor (None for a prompt without items).
-        The items are checked first (modalities the model takes, --max-media-items), then read and decoded
-        (ingest.py), then handed to the processor in a worker thread. Every failure is a RequestError naming the
-        item (validation.media_error)."""
-        if not any(items):
-            return [None] * len(prompts)
-        self.check_media_items(items)
-        processor = self.multimodal_processor()
-        assert processor is not None, "check_media_items refuses media on a model without a processor"
-        config = self.server_config.media
-        model = ingest.ModelMedia(sampling_rate=processor.sampling_rate, hidden_size=self.engine.model_info.hidden_size,
-                                  min_audio_samples=processor.min_audio_samples,
-                                  max_audio_seconds=processor.max_audio_seconds)
+        """Each prompt with its media items placed by the model's processor (None for a prompt without items), by
+        media/prepare.py; every failure a RequestError naming the item (validation.media_error)."""
         try:
-            media = await ingest.ingest(items, config, model)
-            return await asyncio.to_thread(
-                lambda: [processor.prepare(list(p), m) if m else None for p, m in zip(prompts, media, strict=True)])
-        except MediaError as exc:
+            return await prepare.prepare(prompts, items, self.media_target(), self.server_config.media)
+        except (MediaError, prepare.MediaRefused) as exc:
             raise validation.media_error(exc) from exc
 
     # ---- admission ---------------------------------------------------------------------------------------------

@@ -25,9 +25,9 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from lmrpc.server.embeddings import prompt_embeddings
 from lmrpc.server.engine.types import Constraint, HiddenStatesMode, PromptEmbeddings, SamplingParams
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
-from lmrpc.server.media.ingest import WireItem
+from lmrpc.server.media.prepare import MediaRefused
 from lmrpc.server.media.sources import SourceError, SourceErrorKind
-from lmrpc.server.media.types import MediaError, Modality
+from lmrpc.server.media.types import MediaError
 from lmrpc.server.models.types import ModelInfo
 from lmrpc.server.userinput import clip
 from lmrpc.v1 import generate_pb2, openai_pb2
@@ -45,7 +45,6 @@ _SOURCE_CODES = {
     SourceErrorKind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
     SourceErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
-_MODALITY_NOUNS = {Modality.IMAGE: "images", Modality.AUDIO: "audio"}
 _ADAPTER_CODES = {
     AdapterErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     AdapterErrorKind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
@@ -269,30 +268,12 @@ def check_media_shape(req: generate_pb2.GenerateRequest, num_prompts: int) -> No
     c.raise_if_any()
 
 
-def check_media_items(prompts: Sequence[Sequence[WireItem]], modalities: frozenset[Modality], architecture: str,
-                      max_items: int) -> None:
-    """Each prompt's media items: of modalities the model takes (a text-only model takes none), at most
-    --max-media-items of them. Checked before anything is fetched or decoded."""
-    c = Collector()
-    named: set[str] = set()
-    for items in prompts:
-        for w in items:
-            if w.modality not in modalities and w.field not in named:
-                named.add(w.field)
-                takes = (" and ".join(sorted(_MODALITY_NOUNS[m] for m in modalities)) + " only") if modalities \
-                    else "text only"
-                c.check(False, w.field, f"this model ({architecture}) takes no {_MODALITY_NOUNS[w.modality]} "
-                                        f"({takes})")
-        if len(items) > max_items and items[max_items].field not in named:
-            named.add(items[max_items].field)
-            c.check(False, items[max_items].field, f"the prompt has {len(items)} media items; the server takes at "
-                                                   f"most {max_items} per prompt (--max-media-items)")
-    c.raise_if_any()
-
-
-def media_error(exc: MediaError) -> RequestError:
+def media_error(exc: MediaError | MediaRefused) -> RequestError:
     """A media item that cannot be used: INVALID_ARGUMENT naming it, or the status its source failure calls for
-    (PERMISSION_DENIED for a host or path the flags do not allow, UNAVAILABLE for an unreachable URL)."""
+    (PERMISSION_DENIED for a host or path the flags do not allow, UNAVAILABLE for an unreachable URL); items refused
+    before any was read (media/prepare.py): INVALID_ARGUMENT naming each."""
+    if isinstance(exc, MediaRefused):
+        return RequestError(grpc.StatusCode.INVALID_ARGUMENT, [Violation(e.field, e.message) for e in exc.errors])
     code = _SOURCE_CODES[exc.kind] if isinstance(exc, SourceError) else grpc.StatusCode.INVALID_ARGUMENT
     return RequestError(code, [Violation(exc.field, exc.message)])
 
