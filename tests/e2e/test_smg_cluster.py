@@ -26,7 +26,7 @@ import grpc
 import openai
 import pytest
 
-from lmrpc.client import Client
+from lmrpc.client import Client, LmrpcError
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -240,9 +240,9 @@ def test_a_full_replica_refuses_and_the_other_serves(cluster: Cluster, sdk: open
             deadline = time.monotonic() + 60
             while in_flight(full) < MAX_RUNNING and time.monotonic() < deadline:
                 time.sleep(0.1)
-            with pytest.raises(grpc.RpcError) as refused:  # the replica itself is at capacity
+            with pytest.raises(LmrpcError) as refused:  # the replica itself is at capacity
                 lmrpc.complete("Hi", max_tokens=1)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             before = finished_outputs(cluster.replicas[1])
             for i in range(4):
                 answer = sdk.completions.create(model=MODEL, prompt=f"Request {i}: hello", temperature=0,
