@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from lmrpc.kernels import gguf_blocks, packing
 from lmrpc.kernels.packing import PackedWeight
+from lmrpc.server.models.gguf_file import GGUFFile, GGUFTensor
 
 Matrix = torch.Tensor | PackedWeight  # a linear layer's weight [out, in]: dense values, or packed codes
 
@@ -85,20 +86,15 @@ class GGUFWeights:
     """The tensors of a GGUF file under Hugging Face names."""
 
     def __init__(self, path: Path, heads: int, kv_heads: int) -> None:
-        self._reader = gguf.GGUFReader(str(path))
-        arch_field = self._reader.fields["general.architecture"]
-        self.arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        self._file = GGUFFile(path)
+        self.arch = self._file.field_str("general.architecture")
         arch_ids = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
         if self.arch not in arch_ids:
             raise ValueError(f"unknown GGUF architecture {self.arch!r}")
-        blocks = self._field_int(f"{self.arch}.block_count")
+        blocks = self._file.field_int(f"{self.arch}.block_count")
         self._map = gguf.get_tensor_name_map(arch_ids[self.arch], blocks)
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = self._file.tensors
         self._heads, self._kv_heads = heads, kv_heads
-
-    def _field_int(self, key: str) -> int:
-        field = self._reader.fields[key]
-        return int(field.parts[field.data[0]][0])
 
     def _gguf_name(self, name: str) -> str | None:
         base, _, suffix = name.rpartition(".")  # "...q_proj", "weight"
@@ -111,7 +107,7 @@ class GGUFWeights:
     def has(self, name: str) -> bool:
         return self._gguf_name(name) is not None
 
-    def _raw(self, name: str) -> gguf.ReaderTensor:
+    def _raw(self, name: str) -> GGUFTensor:
         mapped = self._gguf_name(name)
         if mapped is None:
             raise KeyError(f"{name} is not in the GGUF file")
