@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -164,3 +165,32 @@ def test_k_quants_of_different_formats_stack_into_one_exact_product(small: str) 
     lin = kernel(stacked, Compute.F32)
     for m in range(1, 10):
         assert np.array_equal(lin.forward(x[:m]).numpy(), expected[:m]), m
+
+
+def _bytes(t: torch.Tensor | None) -> bytes | None:
+    return None if t is None else t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _all_bytes(p: PackedWeight) -> list[bytes | None]:
+    ks = p.kscales
+    return [_bytes(p.data), _bytes(p.scale), _bytes(p.offset),
+            *([None] * 4 if ks is None else [_bytes(ks.d), _bytes(ks.dmin), _bytes(ks.sc), _bytes(ks.m)])]
+
+
+@pytest.mark.parametrize("fmt", [*sorted(FORMATS), "q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("n", [64, 65, 100, 130])
+def test_a_weight_packed_in_row_chunks_is_the_weight_packed_whole(fmt: str, n: int) -> None:
+    """The loader packs a large tensor 2048 rows at a time (its decoding temporaries bounded by a chunk); chunks of
+    32 rows here, the last partial or whole: every packed byte equals packing the tensor at once."""
+    k = 512
+    if fmt in FORMATS:
+        raw = random_blocks(fmt, n, k, seed=3)
+        kind = int(FORMATS[fmt])
+    else:
+        kind = int(getattr(gguf.GGMLQuantizationType, fmt.upper()))
+        values = np.random.default_rng(3).standard_normal((n, k)).astype(np.float32)
+        raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType(kind))
+    whole = gguf_blocks.pack_gguf(kind, raw, n, k, chunk_rows=4096)
+    chunked = gguf_blocks.pack_gguf(kind, raw, n, k, chunk_rows=32)
+    assert (chunked.n, chunked.k, chunked.format, chunked.label) == (whole.n, whole.k, whole.format, whole.label)
+    assert _all_bytes(chunked) == _all_bytes(whole)

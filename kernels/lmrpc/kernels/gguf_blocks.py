@@ -63,17 +63,24 @@ def _tensor(a: np.ndarray, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).reshape(n, k).to(dtype)
 
 
-def pack_gguf(ggml_type: int, raw: np.ndarray, n: int, k: int) -> PackedWeight:
+# Rows packed at once: a large tensor (a 49152-row embedding) is packed in chunks of this many rows, so the
+# temporaries of decoding its blocks (several bytes per weight) never exist for the whole tensor at once.
+CHUNK_ROWS = 2048  # a whole number of tile pairs (packing.PAIR_TILES)
+
+
+def pack_gguf(ggml_type: int, raw: np.ndarray, n: int, k: int, chunk_rows: int = CHUNK_ROWS) -> PackedWeight:
     """A GGUF tensor's blocks (uint8, n rows of k / block elements * block bytes) in the kernels' layout."""
     if ggml_type not in BLOCK:
         raise ValueError(f"no kernel for ggml type {ggml_type}")
     elements, nbytes = BLOCK[ggml_type]
     if k % elements:
         raise ValueError(f"ggml type {ggml_type} needs k divisible by {elements}, got {k}")
-    b = np.ascontiguousarray(raw).reshape(n, k // elements, nbytes)
-    if elements == 32:
-        return _pack_32(ggml_type, b, n, k)
-    return _pack_k(ggml_type, b, n, k)
+    assert chunk_rows % packing.PAIR_TILES == 0
+    b = raw.reshape(n, k // elements, nbytes)  # a view of the mapped file: each chunk is copied once, below
+    pack = _pack_32 if elements == 32 else _pack_k
+    chunks = [pack(ggml_type, np.ascontiguousarray(b[r : r + chunk_rows]), min(chunk_rows, n - r), k)
+              for r in range(0, n, chunk_rows)]
+    return chunks[0] if len(chunks) == 1 else packing.concat_tiled_rows(chunks)
 
 
 def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:

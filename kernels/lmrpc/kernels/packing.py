@@ -345,6 +345,29 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     return _repack(first, codes, scale, offset)
 
 
+def concat_tiled_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Weights packed from consecutive row ranges of one weight, each range but the last a whole number of tile
+    pairs: their tiles follow one another as they are (no codes unpacked), so packing a large weight in row chunks
+    holds one chunk's temporaries at a time."""
+    if not stackable(parts) or any(p.n % PAIR_TILES for p in parts[:-1]):
+        raise ValueError("row chunks of one weight, each but the last whole tile pairs")
+    first = parts[0]
+
+    def cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if tensors[0] is None else torch.cat([t for t in tensors if t is not None])
+
+    kscales = None
+    if first.kscales is not None:
+        ks = [p.kscales for p in parts if p.kscales is not None]
+        d, sc = cat([k.d for k in ks]), cat([k.sc for k in ks])
+        assert d is not None and sc is not None
+        kscales = KScales(d, cat([k.dmin for k in ks]), sc, cat([k.m for k in ks]), first.kscales.super_groups)
+    data = cat([p.data for p in parts])
+    assert data is not None
+    return replace(first, n=sum(p.n for p in parts), data=data, scale=cat([p.scale for p in parts]),
+                   offset=cat([p.offset for p in parts]), kscales=kscales)
+
+
 def _repack(like: PackedWeight, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
             ) -> PackedWeight:
     """Codes and per-group scales in `like`'s format (fp16 scales)."""
