@@ -17,7 +17,7 @@ Q5_0, Q5_1 and Q6_K hold their codes in 8 bits: llama-quantize uses them for a m
 where a width is not a multiple of 256; Q6_K for the output projection and some v/down projections of Q4_K_M).
 Q5_K, the bulk of a Q5_K_M file, does too for now (a 5-bit layout would bring it to 5.6).
 
-Everything here is numpy/torch on the host, run once per tensor at load.
+Everything here is numpy/torch on the host, run once per tensor at load, 2048 rows at a time (CHUNK_ROWS).
 """
 
 from __future__ import annotations
