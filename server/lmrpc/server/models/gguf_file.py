@@ -55,6 +55,7 @@ class GGUFTensor:
     tensor_type: gguf.GGMLQuantizationType  # how its values are stored
     shape: tuple[int, ...]  # GGUF order: innermost (row length, ne0) first
     data: np.ndarray  # read-only view of the mapped file: [.., ne1, ne0] of its dtype, or [.., ne1, row bytes] uint8
+    offset: int  # where its bytes start in the file
 
 
 class _Cursor:
@@ -153,7 +154,8 @@ class GGUFFile:
         for name, dims, kind, offset in infos:
             if name in self.tensors:
                 raise ValueError(f"{self.path}: tensor {name!r} appears twice")
-            self.tensors[name] = GGUFTensor(name, kind, dims, self._view(name, dims, kind, data_start + offset))
+            at = data_start + offset
+            self.tensors[name] = GGUFTensor(name, kind, dims, self._view(name, dims, kind, at), at)
 
     def _view(self, name: str, dims: tuple[int, ...], kind: gguf.GGMLQuantizationType, at: int) -> np.ndarray:
         elements = int(np.prod(dims, dtype=np.int64))
@@ -168,6 +170,16 @@ class GGUFFile:
             return np.frombuffer(self._map, dtype=_PLAIN[kind], count=elements, offset=at).reshape(shape)
         row_bytes = dims[0] // block * block_bytes
         return np.frombuffer(self._map, dtype=np.uint8, count=size, offset=at).reshape(*shape[:-1], row_bytes)
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the tensor's pages from this process's resident set once it has been copied into the kernels'
+        layout: a mapped file's pages count in RSS while mapped, so a model read whole would otherwise hold its file
+        and its packed copy at once (the page cache keeps them; a later read faults them back in)."""
+        page = mmap.PAGESIZE
+        start = tensor.offset // page * page
+        end = min(-(-(tensor.offset + tensor.data.nbytes) // page) * page, len(self._map))
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def field_int(self, key: str) -> int:
         value = self.metadata.get(key)

@@ -118,6 +118,7 @@ class GGUFWeights:
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a writable copy
+        self._file.release(t)
         return self._unpermute(name, out)
 
     def matrix(self, name: str) -> Matrix:
@@ -126,6 +127,7 @@ class GGUFWeights:
         if int(t.tensor_type) not in gguf_blocks.SUPPORTED or k % gguf_blocks.BLOCK[int(t.tensor_type)][0]:
             return self.tensor(name)
         packed = gguf_blocks.pack_gguf(int(t.tensor_type), np.asarray(t.data), n, k)
+        self._file.release(t)
         order = self._row_order(name, n)
         return packed if order is None else packing.permute_rows(packed, order)
 
