@@ -17,6 +17,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+from teacher_forcing import CONTINUATION, PROMPTS, chat
 from tiny_gguf import write_smollm2_k_quant, write_tiny_llama
 from transformers import PreTrainedTokenizerBase
 
@@ -101,16 +102,6 @@ def test_a_tiny_model_in_each_format_gives_the_same_tokens_on_every_route(fmt: s
         chunked.shutdown()
 
 
-PROMPTS = (
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence why the sky is blue.",
-    "def fibonacci(n):",
-    "List three primary colours and one fact about each.",
-)
-CONTINUATION = 64
-
-
 @pytest.fixture(scope="module")
 def k_quant_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AsyncEngine, AsyncEngine]]:
     path = write_smollm2_k_quant(tmp_path_factory.mktemp("k-quant") / "smollm2-q4_k_m.gguf")
@@ -137,9 +128,7 @@ def test_a_k_quant_model_agrees_with_its_dense_model_under_teacher_forcing(
     assert blocks.model_info.quantization == "Q4_1+Q4_K+Q6_K+Q8_0"
     agree = total = 0
     for text in PROMPTS:
-        rendered = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                         add_generation_prompt=True, tokenize=False)
-        prompt = list(smollm2_tokenizer.encode(str(rendered), add_special_tokens=False))
+        prompt = chat(smollm2_tokenizer, text)
         ids = prompt + greedy(dense, prompt, CONTINUATION)
         reference, ours = scored(dense, ids, len(prompt)), scored(blocks, ids, len(prompt))
         agree += sum(r == o for r, o in zip(reference, ours, strict=True))

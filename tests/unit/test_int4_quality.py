@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterator
 
 import pytest
+from teacher_forcing import CONTINUATION, PROMPTS, chat
 from transformers import PreTrainedTokenizerBase
 
 from lmrpc.kernels import native
@@ -24,15 +25,6 @@ from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOptions, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not native.available(), reason="int4 needs the native kernels")]
-
-PROMPTS = (
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence why the sky is blue.",
-    "def fibonacci(n):",
-    "List three primary colours and one fact about each.",
-)
-CONTINUATION = 64
 
 TEXT = (
     "The lighthouse stood at the edge of the cliff, its white paint worn thin by a century of salt and wind. "
@@ -84,12 +76,6 @@ def scored(engine: AsyncEngine, tokens: list[int], start: int) -> list[tuple[flo
     positions = [p for o in outs for p in o.input_logprobs]
     assert len(positions) == len(tokens) - start
     return [(p.chosen.logprob or 0.0, p.top[0].token_id) for p in positions]
-
-
-def chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
-    return list(tokenizer.encode(str(rendered), add_special_tokens=False))
 
 
 def test_int4_top1_agrees_with_the_dense_model_under_teacher_forcing(
