@@ -1,7 +1,7 @@
 """lmrpc's native CPU kernels: products in every weight format against their dequantized reference, row invariance
 (a row's bits never depend on the other rows), the fused prologues and epilogue, GGUF blocks repacked code for code,
 and paged attention against naive attention and invariant to how queries are batched or chunked. The portable build
-(no AVX512) is checked too, in a subprocess."""
+(no AVX512, no AVX2) is checked too, in a subprocess, and the native build's products against its bits."""
 
 from __future__ import annotations
 
@@ -286,6 +286,55 @@ def test_the_portable_build_gives_the_same_guarantees(tmp_path: os.PathLike[str]
     )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def products_of_every_format(bf16: bool) -> dict[str, torch.Tensor]:
+    """Outputs of every weight format (and GGUF's Q4_0, whose codes are signed) at row counts that take each path
+    (one row, a register block's tail, many rows), plain and with the fused prologues and residual: float32
+    products, and bfloat16 ones when `bf16`."""
+    import gguf
+
+    k = 576
+    w = weight(200, k, seed=7)
+    formats = {name: (make(w), compute) for name, (make, compute) in FORMATS.items() if bf16 or compute == Compute.F32}
+    q4_0 = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0)
+    formats["q4_0-f32"] = (gguf_blocks.pack_gguf(int(gguf.GGMLQuantizationType.Q4_0), q4_0, 200, k), Compute.F32)
+    x = torch.randn(40, 2 * k, generator=torch.Generator().manual_seed(8))
+    norm = torch.rand(k, generator=torch.Generator().manual_seed(9)) + 0.5
+    residual = torch.randn(40, 200, generator=torch.Generator().manual_seed(10))
+    out = {}
+    for name, (p, compute) in formats.items():
+        lin = op(p, compute)
+        for m in (1, 2, 5, 7, 13, 40):
+            out[f"{name}/{m}"] = lin.forward(x[:m, :k].contiguous())
+            out[f"{name}/{m}/norm"] = lin.forward(x[:m, :k].contiguous(), norm_weight=norm, eps=1e-5)
+            out[f"{name}/{m}/silu"] = lin.forward(x[:m].contiguous(), silu=True, residual=residual[:m].clone())
+    return out
+
+
+@pytest.mark.slow
+def test_the_native_products_give_the_portable_loops_bits(tmp_path: os.PathLike[str]) -> None:
+    """What -march=native builds here (AVX512 or AVX2 registers) runs the portable loops' operations: float32
+    products give the portable build's bits, and bfloat16 ones too where the CPU has no AVX512-BF16 (whose dot
+    products round their own way)."""
+    bf16 = not native.load().native_bf16()
+    saved = os.path.join(tmp_path, "portable.pt")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        f"import sys, torch; sys.path.insert(0, {here!r})\n"
+        "from lmrpc.kernels import native\n"
+        "assert not native.load().native_bf16() and not native.load().native_avx2(), 'expected the portable build'\n"
+        "import test_native_kernels as t\n"
+        f"torch.save(t.products_of_every_format({bf16!r}), {saved!r})\n"
+    )
+    env = {**os.environ, "LMRPC_KERNEL_ARCH": "generic"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    portable = torch.load(saved)
+    ours = products_of_every_format(bf16)
+    assert ours.keys() == portable.keys()
+    differ = [key for key in ours if not torch.equal(ours[key], portable[key])]
+    assert not differ, differ
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next_start(tmp_path: os.PathLike[str]) -> None:

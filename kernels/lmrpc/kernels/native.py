@@ -2,8 +2,9 @@
 
 The build goes into `<cache>/kernels/<key>/`, keyed by the sources, the compiler flags, torch's version and the CPU's
 instruction-set flags, so a restart loads the built library in about a second and a changed CPU or source builds
-anew. `-march=native` lets the compiler use what this CPU has (the AVX512-BF16 paths when present, portable C++
-loops otherwise); `-ffp-contract=off` keeps every multiply-add as written, so the same source gives the same bits.
+anew. `-march=native` lets the compiler use what this CPU has (the AVX512-BF16 paths when present, else AVX2 + FMA
+registers, else portable C++ loops); `-ffp-contract=off` keeps every multiply-add as written, so the same source
+gives the same bits.
 
 `load()` returns the module, or raises `NativeKernelsUnavailable` with the reason (no compiler, a build error); the
 caller decides whether to fall back. `LMRPC_NATIVE_KERNELS=0` turns them off; `LMRPC_KERNEL_ARCH=generic` builds
@@ -29,8 +30,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = ("module.cpp", "linear.cpp", "linear_products.cpp", "linear_vnni.cpp", "attention.cpp")
-HEADERS = ("common.h", "linear.h", "linear_impl.h", "linear_kernels.h", "attention.h", "py_linear.h",
-           "py_attention.h", "py_stack.h")
+HEADERS = ("common.h", "linear.h", "linear_impl.h", "linear_kernels.h", "linear_kernels_avx2.h", "attention.h",
+           "py_linear.h", "py_attention.h", "py_stack.h")
 CSRC = Path(__file__).parent / "csrc"
 
 
@@ -124,8 +125,14 @@ def load() -> ModuleType:
         raise NativeKernelsUnavailable(f"building the CPU kernels failed: {e}") from e
     if fresh:
         logger.info("built lmrpc's CPU kernels in %.1f s (%s, cached in %s)", time.monotonic() - started,
-                    "AVX512-BF16" if module.native_bf16() else "portable", directory)
+                    _instructions(module), directory)
     return module
+
+
+def _instructions(module: ModuleType) -> str:
+    if module.native_bf16():
+        return "AVX512-BF16"
+    return "AVX2" if module.native_avx2() else "portable"
 
 
 def available() -> bool:

@@ -17,6 +17,14 @@
 #else
 #define LMRPC_AVX512 0
 #endif
+// AVX2 with FMA and F16C and no AVX512-BF16 (AMD Zen 2/3, older Xeons): the portable loops' operations, eight
+// outputs per register (linear_kernels_avx2.h).
+#if !LMRPC_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LMRPC_AVX2 1
+#include <immintrin.h>
+#else
+#define LMRPC_AVX2 0
+#endif
 #if LMRPC_AVX512 && defined(__AVX512VNNI__)
 #define LMRPC_VNNI 1
 #else

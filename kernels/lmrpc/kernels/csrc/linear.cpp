@@ -211,6 +211,7 @@ void expand_codes(const PackedWeight& w, uint16_t* out) {
 }
 
 bool native_bf16() { return LMRPC_AVX512 != 0; }
+bool native_avx2() { return LMRPC_AVX2 != 0; }
 bool native_vnni() { return LMRPC_VNNI != 0; }
 
 }  // namespace lmrpc

@@ -110,6 +110,7 @@ void expand_codes(const PackedWeight& w, uint16_t* out);
 void vnni_codes(const PackedWeight& w, uint8_t* out);
 
 bool native_bf16();  // compiled with AVX512-BF16 products
+bool native_avx2();  // compiled with AVX2 + FMA products (a CPU without AVX512-BF16)
 bool native_vnni();  // compiled with AVX512-VNNI products (Q4 weights with int8 activations)
 
 }  // namespace lmrpc

@@ -96,6 +96,24 @@ void expand_q4(const uint8_t* src, bool is_signed, const Q4Table& table, T* dst)
     }
     return;
   }
+#elif LMRPC_AVX2
+  if constexpr (sizeof(T) == 4) {
+    const __m256i bias = _mm256_set1_epi32(is_signed ? 8 : 0);
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    for (int t = 0; t < 2; ++t) {
+      for (int c = 0; c < 8; ++c) {
+        for (int h = 0; h < 4; ++h) {
+          const __m256i v = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 256 * t + 32 * c + 8 * h)));
+          const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(v, low), bias);
+          const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(v, 4), bias);
+          _mm256_storeu_ps(dst + 32 * (4 * c + t) + 8 * h, _mm256_cvtepi32_ps(lo));
+          _mm256_storeu_ps(dst + 32 * (4 * c + 2 + t) + 8 * h, _mm256_cvtepi32_ps(hi));
+        }
+      }
+    }
+    return;
+  }
 #endif
   for (int t = 0; t < 2; ++t) {
     for (int c = 0; c < 8; ++c) {
@@ -130,6 +148,15 @@ void expand_q8(const int8_t* src, int64_t vectors, T* dst) {
       _mm512_storeu_ps(d + 16, hi);
     }
 #else
+#if LMRPC_AVX2
+    if constexpr (sizeof(T) == 4) {
+      for (int h = 0; h < 4; ++h) {
+        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8 * h)));
+        _mm256_storeu_ps(d + 8 * h, _mm256_cvtepi32_ps(v));
+      }
+      continue;
+    }
+#endif
     for (int b = 0; b < 32; ++b) {
       if constexpr (sizeof(T) == 2) d[b] = f32_to_bf16(static_cast<float>(s[b])); else d[b] = static_cast<float>(s[b]);
     }

@@ -1,6 +1,6 @@
 // Micro-kernels of the row-invariant products (run by linear_products.cpp): R rows x P tile pairs over every group
-// in AVX512-BF16 registers or portable loops, and Q4 codes expanded in registers for R rows (block_q4) or one
-// (one_row_q4_bf16).
+// in AVX512-BF16 registers, AVX2 registers (linear_kernels_avx2.h) or portable loops, and Q4 codes expanded in
+// registers for R rows (block_q4) or one (one_row_q4_bf16).
 #pragma once
 
 #include <cmath>
@@ -10,6 +10,7 @@
 #include "common.h"
 #include "linear.h"
 #include "linear_impl.h"
+#include "linear_kernels_avx2.h"
 
 namespace lmrpc::linear_detail {
 
@@ -146,7 +147,7 @@ void block_f32(const Source* src, int64_t groups, int64_t gkp, const RowBlock& r
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(rb.out[r] + 16 * i, Y[r][i]);
 }
-#else
+#elif !LMRPC_AVX2  // (AVX2: linear_kernels_avx2.h)
 template <int R, int P, bool Q>
 inline void fold_group_scalar(float (&Y)[R][32 * P], const float (&a)[R][32 * P], const GroupWeights (&gw)[P],
                               const RowBlock& rb, int64_t g) {

@@ -60,8 +60,11 @@ void group_rows_bf16(const GroupWeights (&gw)[P], const uint16_t* const* x, cons
 
 // How many rows share a register block: as many as fit beside their sums (quantized products keep a running
 // total per group besides the group's sum).
+// AVX2: every block, its rows two at a time per tile (block_avx2), so a block of kMaxRows reads each expanded
+// group from L1 once per two rows.
 template <typename T>
 constexpr int block_rows(bool quantized) {
+  if constexpr (LMRPC_AVX2 != 0) return kMaxRows;
   if constexpr (sizeof(T) == 2) return quantized ? 2 : 4;
   return 2;
 }
@@ -84,12 +87,26 @@ void run_block(int rows, const Source* src, int64_t groups, int64_t gkp, const R
       case 1: block_bf16<1, P, Q>(src, groups, gkp, rb); break;
       case 2: block_bf16<2, P, Q>(src, groups, gkp, rb); break;
       case 3: block_bf16<3, P, Q>(src, groups, gkp, rb); break;
+#if LMRPC_AVX2
+      case 4: block_bf16<4, P, Q>(src, groups, gkp, rb); break;
+      case 5: block_bf16<5, P, Q>(src, groups, gkp, rb); break;
+      default: block_bf16<6, P, Q>(src, groups, gkp, rb); break;
+#else
       default: block_bf16<4, P, Q>(src, groups, gkp, rb); break;
+#endif
     }
   } else {
     switch (rows) {
       case 1: block_f32<1, P, Q>(src, groups, gkp, rb); break;
+#if LMRPC_AVX2
+      case 2: block_f32<2, P, Q>(src, groups, gkp, rb); break;
+      case 3: block_f32<3, P, Q>(src, groups, gkp, rb); break;
+      case 4: block_f32<4, P, Q>(src, groups, gkp, rb); break;
+      case 5: block_f32<5, P, Q>(src, groups, gkp, rb); break;
+      default: block_f32<6, P, Q>(src, groups, gkp, rb); break;
+#else
       default: block_f32<2, P, Q>(src, groups, gkp, rb); break;
+#endif
     }
   }
 }

@@ -14,6 +14,7 @@ using namespace lmrpc_py;  // NOLINT: the bindings name the classes and function
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lmrpc's CPU kernels: row-invariant packed products, paged attention, RoPE with cache writes";
   m.def("native_bf16", &lmrpc::native_bf16, "whether products use AVX512-BF16 instructions");
+  m.def("native_avx2", &lmrpc::native_avx2, "whether products use AVX2 + FMA registers (no AVX512-BF16 here)");
   m.def("native_vnni", &lmrpc::native_vnni, "whether int4 products can take int8 activations (AVX512-VNNI)");
   py::class_<PackedLinear, std::shared_ptr<PackedLinear>>(m, "PackedLinear")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, bool, at::Tensor, std::optional<at::Tensor>,

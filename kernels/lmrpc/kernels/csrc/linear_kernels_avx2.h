@@ -1,0 +1,145 @@
+// AVX2 + FMA forms of the portable micro-kernels (CPUs without AVX512-BF16: AMD Zen 2/3, older Xeons). Each output
+// element gets the portable loops' operations in their order (see linear_kernels.h), eight outputs per register, so
+// the bits are those of the portable build and do not depend on the row count.
+//
+// float32 products: per row and lane (16 * tile + output, even/odd input) a running sum over a group's kpairs, the
+// even and odd sums added at the group's end, then folded. bfloat16 products: per row and output,
+// fma(x_even, w_even, acc) then fma(x_odd, w_odd, .) over the group's kpairs, then folded.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+#include "linear.h"
+#include "linear_impl.h"
+
+namespace lmrpc::linear_detail {
+
+#if LMRPC_AVX2
+// Lanes l0 .. l0 + 7 of a group's scales and offsets, as lane_scale and lane_offset compute them.
+inline __m256 scale_x8(const GroupWeights& gw, int l0) {
+  if (gw.kd == nullptr) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.scale + l0)));
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gw.ksc + l0));
+  const __m256i sc = gw.ksigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.kd + l0)));
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+}
+inline __m256 offset_x8(const GroupWeights& gw, int l0) {
+  if (gw.kd == nullptr) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.offset + l0)));
+  const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gw.km + l0)));
+  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.kdmin + l0)));
+  const __m256 dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+  return _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f));  // -(dmin * m)
+}
+
+// Y[0..7] (outputs l0 .. l0 + 7 of one row) after group g, from the group's sums a: fma(a, scale, Y), then
+// fma(group sum of x, offset, Y) when the group has offsets; dense weights (one group): Y = a.
+template <bool Q>
+inline void fold8(float* Y, __m256 a, const GroupWeights& gw, int l0, const float* sums, int64_t g) {
+  if constexpr (Q) {
+    __m256 y = _mm256_fmadd_ps(a, scale_x8(gw, l0), _mm256_load_ps(Y));
+    if (gw.has_offset()) y = _mm256_fmadd_ps(_mm256_set1_ps(sums[g]), offset_x8(gw, l0), y);
+    _mm256_store_ps(Y, y);
+  } else {
+    _mm256_store_ps(Y, a);
+  }
+}
+
+// Lanes [o0 e, o0 o, o1 e, o1 o, ...] of two registers (outputs 0-3 and 4-7) -> the 8 outputs' even + odd sums.
+inline __m256 pair_sums(__m256 a, __m256 b) {
+  const __m256 h = _mm256_hadd_ps(a, b);  // [0, 1, 4, 5, 2, 3, 6, 7]
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), 0xD8));
+}
+
+// One tile (16 outputs) of one group for N rows (1 or 2), float32: w at the tile's kpair 0 ([kpairs][2 tiles][32]
+// floats, so kpair j at w + 64 j), x[r] at the group's first input. The 16 outputs' sums -> s[r][0..1].
+template <int N>
+inline void tile_f32(const float* w, const float* const (&x)[N], int64_t gkp, __m256 (&s)[N][2]) {
+  __m256 acc[N][4];
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < gkp; ++j) {
+    __m256 wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = _mm256_loadu_ps(w + 64 * j + 8 * c);
+    for (int r = 0; r < N; ++r) {
+      const __m256 xb = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x[r] + 2 * j)));
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xb, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < N; ++r) {
+    s[r][0] = pair_sums(acc[r][0], acc[r][1]);
+    s[r][1] = pair_sums(acc[r][2], acc[r][3]);
+  }
+}
+
+// One tile of one group for N rows (1 or 2), bfloat16: kpair j's 16 outputs x 2 inputs at w + 64 j as 32 codes.
+template <int N>
+inline void tile_bf16(const uint16_t* w, const uint16_t* const (&x)[N], int64_t gkp, __m256 (&s)[N][2]) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  __m256 acc[N][2];
+  for (int r = 0; r < N; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < gkp; ++j) {
+    __m256 even[2], odd[2];
+    for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7: their (even, odd) code pairs
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 16 * h));
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    }
+    for (int r = 0; r < N; ++r) {
+      const __m256 x0 = _mm256_set1_ps(bf16_to_f32(x[r][2 * j])), x1 = _mm256_set1_ps(bf16_to_f32(x[r][2 * j + 1]));
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(x1, odd[h], _mm256_fmadd_ps(x0, even[h], acc[r][h]));
+    }
+  }
+  for (int r = 0; r < N; ++r) {
+    s[r][0] = acc[r][0];
+    s[r][1] = acc[r][1];
+  }
+}
+
+// Rows r, r + 1 (N = 2) or r alone (N = 1) of a block over tile t of pair q, group g: sums, then folded into Y.
+template <typename T, int N, int R, int P, bool Q>
+inline void tile_rows(const GroupWeights& gw, int q, int t, int r, int64_t g, int64_t gkp, const RowBlock& rb,
+                      float (&Y)[R][32 * P]) {
+  const T* x[N];
+  for (int i = 0; i < N; ++i) x[i] = static_cast<const T*>(rb.x[r + i]) + 2 * g * gkp;
+  const T* w = static_cast<const T*>(gw.w) + 32 * t;
+  __m256 s[N][2];
+  if constexpr (sizeof(T) == 2) tile_bf16<N>(w, x, gkp, s); else tile_f32<N>(w, x, gkp, s);
+  for (int i = 0; i < N; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const int l0 = 16 * t + 8 * h;
+      fold8<Q>(&Y[r + i][32 * q + l0], s[i][h], gw, l0, rb.sums[r + i], g);
+    }
+}
+
+// R rows x P tile pairs over every group (the portable block_f32 / block_bf16's operations), two rows at a time
+// per tile so that a tile's kpair vectors serve both from registers.
+template <typename T, int R, int P, bool Q, typename Source>
+void block_avx2(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  alignas(32) float Y[R][32 * P] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    GroupWeights gw[P];
+    for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
+    for (int q = 0; q < P; ++q)
+      for (int t = 0; t < 2; ++t) {
+        int r = 0;
+        for (; r + 2 <= R; r += 2) tile_rows<T, 2, R, P, Q>(gw[q], q, t, r, g, gkp, rb, Y);
+        if (r < R) tile_rows<T, 1, R, P, Q>(gw[q], q, t, r, g, gkp, rb, Y);
+      }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
+}
+
+template <int R, int P, bool Q, typename Source>
+void block_f32(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  block_avx2<float, R, P, Q>(src, groups, gkp, rb);
+}
+
+template <int R, int P, bool Q, typename Source>
+void block_bf16(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  block_avx2<uint16_t, R, P, Q>(src, groups, gkp, rb);
+}
+#endif
+
+}  // namespace lmrpc::linear_detail
