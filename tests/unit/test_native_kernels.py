@@ -312,12 +312,34 @@ def products_of_every_format(bf16: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+def attention_outputs() -> dict[str, torch.Tensor]:
+    """Attention of a prefill step (sequences inside a page, across pages) and a decode step, float32 and bf16
+    caches, heads of 64 (3 query heads per kv head) and of 128 dimensions (8 per kv head)."""
+    out = {}
+    wide = AttentionShape(layers=1, heads=16, kv_heads=2, head_dim=128, scale=128**-0.5)
+    for shape in (SHAPE, wide):
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(11)
+            lengths = (1, 17, 70)
+            seqs = [torch.randn(n + 1, shape.qkv_width, generator=g) for n in lengths]
+            tables = [[8 * i + p for p in range(8)] for i in range(len(lengths))]
+            backend = NativeAttention(shape, rope(128, shape.head_dim), dtype, num_pages=32, page_size=16)
+            for step, (start, counts) in enumerate([(0, lengths), (None, (1, 1, 1))]):
+                starts = [0] * len(lengths) if start is not None else list(lengths)
+                chunks = [ChunkSpec(s0, n, tables[i]) for i, (s0, n) in enumerate(zip(starts, counts, strict=True))]
+                positions = torch.cat([torch.arange(s0, s0 + n) for s0, n in zip(starts, counts, strict=True)])
+                qkv = torch.cat([seqs[i][s0 : s0 + n] for i, (s0, n) in enumerate(zip(starts, counts, strict=True))])
+                out[f"{shape.head_dim}/{dtype}/{step}"] = backend(0, qkv, backend.plan(chunks, positions), None)
+    return out
+
+
 @pytest.mark.slow
 def test_the_native_products_give_the_portable_loops_bits(tmp_path: os.PathLike[str]) -> None:
-    """What -march=native builds here (AVX512 or AVX2 registers) runs the portable loops' operations: float32
-    products give the portable build's bits, and bfloat16 ones too where the CPU has no AVX512-BF16 (whose dot
-    products round their own way)."""
-    bf16 = not native.load().native_bf16()
+    """What -march=native builds here runs the portable loops' operations: float32 products give the portable
+    build's bits; where the build is AVX2 (no AVX512-BF16, whose dot products round their own way), bfloat16
+    products and attention do too."""
+    avx2 = bool(native.load().native_avx2())
+    bf16 = avx2
     saved = os.path.join(tmp_path, "portable.pt")
     here = os.path.dirname(os.path.abspath(__file__))
     script = (
@@ -325,13 +347,14 @@ def test_the_native_products_give_the_portable_loops_bits(tmp_path: os.PathLike[
         "from lmrpc.kernels import native\n"
         "assert not native.load().native_bf16() and not native.load().native_avx2(), 'expected the portable build'\n"
         "import test_native_kernels as t\n"
-        f"torch.save(t.products_of_every_format({bf16!r}), {saved!r})\n"
+        f"torch.save({{**t.products_of_every_format({bf16!r}), **(t.attention_outputs() if {avx2!r} else {{}})}}, "
+        f"{saved!r})\n"
     )
     env = {**os.environ, "LMRPC_KERNEL_ARCH": "generic"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     portable = torch.load(saved)
-    ours = products_of_every_format(bf16)
+    ours = {**products_of_every_format(bf16), **(attention_outputs() if avx2 else {})}
     assert ours.keys() == portable.keys()
     differ = [key for key in ours if not torch.equal(ours[key], portable[key])]
     assert not differ, differ

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "attention_avx2.h"
 #include "common.h"
 
 namespace lmrpc {
@@ -98,6 +99,25 @@ template <typename S>
 void scores_generic(const float* const* q, int groups, const CacheView& c, const int32_t* pages, int64_t kvh,
                     int64_t ctx, float scale, float* scores, int64_t stride) {
   const int64_t hd = c.head_dim, P = c.page_size;
+#if LMRPC_AVX2
+  if (attention_avx2::takes(hd)) {
+    for (int64_t base = 0; base < ctx; base += 16) {
+      const S* kb = key_block<S>(c, pages[base / P], kvh) + base % P;
+      const int n = static_cast<int>(std::min<int64_t>(16, ctx - base));
+      for (int g0 = 0; g0 < groups; g0 += 4) {  // four heads' sums side by side
+        float* out[4];
+        for (int g = g0; g < std::min(groups, g0 + 4); ++g) out[g - g0] = scores + g * stride + base;
+        switch (std::min(groups - g0, 4)) {
+          case 1: attention_avx2::scores16<S, 1>(q + g0, kb, hd, P, scale, out, n); break;
+          case 2: attention_avx2::scores16<S, 2>(q + g0, kb, hd, P, scale, out, n); break;
+          case 3: attention_avx2::scores16<S, 3>(q + g0, kb, hd, P, scale, out, n); break;
+          default: attention_avx2::scores16<S, 4>(q + g0, kb, hd, P, scale, out, n); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t base = 0; base < ctx; base += 16) {
     const S* kb = key_block<S>(c, pages[base / P], kvh) + base % P;
     for (int g = 0; g < groups; ++g) {
@@ -259,6 +279,10 @@ float softmax_weights(float* s, int64_t ctx) {
     sum = _mm512_add_ps(sum, e);
   }
   return reduce_add(sum);
+#elif LMRPC_AVX2
+  float lanes[16];
+  attention_avx2::exp_lanes(s, ctx, mx, lanes);
+  return reduce_add16(lanes);
 #else
   float lanes[16] = {0};
   for (int64_t j = 0; j < ctx; ++j) {
@@ -274,6 +298,15 @@ template <typename S>
 void weighted_values(const float* w, int groups, int64_t stride, const float* totals, const CacheView& c,
                      const int32_t* pages, int64_t kvh, int64_t ctx, float* const* out) {
   const int64_t hd = c.head_dim, P = c.page_size;
+#if LMRPC_AVX2
+  if (attention_avx2::takes(hd)) {
+    auto value = [&](int64_t j) { return value_block<S>(c, pages[j / P], kvh) + (j % P) * hd; };
+    for (int g = 0; g < groups; ++g) {
+      attention_avx2::weighted_row<S>(w + g * stride, ctx, hd, 1.0f / totals[g], value, out[g]);
+    }
+    return;
+  }
+#endif
   for (int g = 0; g < groups; ++g) {
     std::vector<float> acc(hd, 0.0f);
     for (int64_t j = 0; j < ctx; ++j) {

@@ -136,6 +136,27 @@ inline float reduce_add(__m512 v) {
 }
 #endif
 
+#if LMRPC_AVX2
+// exp_scalar's operations on 8 lanes.
+inline __m256 exp_vec8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 // The same pairwise lane reduction as reduce_add, on 16 scalars.
 inline float reduce_add16(const float* v) {
   float a[8], b[4];
@@ -191,7 +212,18 @@ inline float row_inv_rms(const float* x, int64_t k, float eps) {
   const float ss = reduce_add(acc);
 #else
   float lanes[16] = {0};
-  for (int64_t j = 0; j < k; ++j) lanes[j % 16] = std::fma(x[j], x[j], lanes[j % 16]);
+  int64_t j = 0;
+#if LMRPC_AVX2
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7 and 8-15
+  for (; j + 16 <= k; j += 16) {
+    const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
+    lo = _mm256_fmadd_ps(a, a, lo);
+    hi = _mm256_fmadd_ps(b, b, hi);
+  }
+  _mm256_storeu_ps(lanes, lo);
+  _mm256_storeu_ps(lanes + 8, hi);
+#endif
+  for (; j < k; ++j) lanes[j % 16] = std::fma(x[j], x[j], lanes[j % 16]);
   const float ss = reduce_add16(lanes);
 #endif
   return 1.0f / std::sqrt(ss * (1.0f / static_cast<float>(k)) + eps);

@@ -52,6 +52,13 @@ void prologue_row(const LinearArgs& a, int64_t i, int64_t k, float* out) {
         const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         _mm512_storeu_ps(out + j, _mm512_mul_ps(s, _mm512_loadu_ps(up + j)));
       }
+#elif LMRPC_AVX2
+      for (; j + 8 <= k; j += 8) {
+        const __m256 g = _mm256_loadu_ps(x + j);
+        const __m256 e = exp_vec8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(s, _mm256_loadu_ps(up + j)));
+      }
 #endif
       for (; j < k; ++j) out[j] = silu_mul(x[j], up[j]);
       break;

@@ -131,6 +131,55 @@ void block_avx2(const Source* src, int64_t groups, int64_t gkp, const RowBlock& 
   for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
 }
 
+// One row, float32, one tile pair (p) of Q4 or Q8 codes, read as they are stored: each kpair's codes become floats
+// in registers and enter the sums at once (no expanded group in memory). The operations of block_f32<1, 1, true>.
+inline void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, const float* sums, float* out) {
+  const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
+  const bool q4 = w.format == WeightFormat::Q4;
+  const __m256i bias = _mm256_set1_epi32(w.q4_signed ? 8 : 0), low = _mm256_set1_epi32(0x0f);
+  alignas(32) float Y[32] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
+    const float* xg = x + 2 * g * gkp;
+    __m256 acc[2][4];  // [tile][lanes 8c .. 8c + 7]
+    for (int t = 0; t < 2; ++t)
+      for (int c = 0; c < 4; ++c) acc[t][c] = _mm256_setzero_ps();
+    auto pair_of = [&](int64_t j) {
+      return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xg + 2 * j)));
+    };
+    if (q4) {  // 8 chunks of 32 bytes per tile: kpair 2c in the low nibbles, 2c + 1 in the high ones
+      const uint8_t* src = static_cast<const uint8_t*>(w.data) + (p * groups + g) * 512;
+      for (int c = 0; c < 8; ++c) {
+        const __m256 x0 = pair_of(2 * c), x1 = pair_of(2 * c + 1);
+        for (int t = 0; t < 2; ++t)
+          for (int h = 0; h < 4; ++h) {
+            const __m256i v = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 256 * t + 32 * c + 8 * h)));
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low), bias));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), bias));
+            acc[t][h] = _mm256_fmadd_ps(hi, x1, _mm256_fmadd_ps(lo, x0, acc[t][h]));
+          }
+      }
+    } else {  // one vector of 32 int8 per kpair and tile
+      const int8_t* src = static_cast<const int8_t*>(w.data) + (p * kp + g * gkp) * 64;
+      for (int64_t j = 0; j < gkp; ++j) {
+        const __m256 xj = pair_of(j);
+        for (int t = 0; t < 2; ++t)
+          for (int h = 0; h < 4; ++h) {
+            const __m256i v =
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 64 * j + 32 * t + 8 * h)));
+            acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), xj, acc[t][h]);
+          }
+      }
+    }
+    for (int t = 0; t < 2; ++t) {
+      fold8<true>(Y + 16 * t, pair_sums(acc[t][0], acc[t][1]), gw, 16 * t, sums, g);
+      fold8<true>(Y + 16 * t + 8, pair_sums(acc[t][2], acc[t][3]), gw, 16 * t + 8, sums, g);
+    }
+  }
+  std::memcpy(out, Y, sizeof(Y));
+}
+
 template <int R, int P, bool Q, typename Source>
 void block_f32(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
   block_avx2<float, R, P, Q>(src, groups, gkp, rb);

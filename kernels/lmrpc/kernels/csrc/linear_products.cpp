@@ -257,6 +257,19 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
     }
   }
 #endif
+#if LMRPC_AVX2
+  if constexpr (sizeof(T) == 4) {
+    if (quantized && rr.size() == 1) {  // one row (a decode step of one sequence): codes read as stored
+      alignas(64) float row[32 * kMaxPairs];
+      for (int q = 0; q < P; ++q) {
+        one_row_codes_f32(w, p + q, in.f32.data() + rr.begin * w.k_pad,
+                          w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr, row + 32 * q);
+      }
+      epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
+      return;
+    }
+  }
+#endif
   alignas(64) float out[kMaxRows][32 * kMaxPairs];
   const int64_t per_pair = (one_block ? 2 * gkp : kp) * 64;  // expanded values per pair (two group slots)
   if (quantized && buffer.size() < static_cast<size_t>(P * per_pair)) buffer.resize(P * per_pair);
