@@ -43,13 +43,16 @@ constexpr int kPrefetchGroups = 4;  // Q4 groups read ahead (2 KiB): codes strea
 
 // A Q4 group of a tile pair is 2 x 256 bytes: per tile 8 chunks of 32, chunk c holding kpair 2c in its low nibbles
 // and kpair 2c + 1 in its high nibbles.
-#if LMRPC_AVX512
+#if LMRPC_AVX512 || LMRPC_AVX2
 // The group kPrefetchGroups ahead of `group`, asked into L1.
 inline void prefetch_q4_ahead(const uint8_t* group) {
   for (int line = 0; line < 8; ++line) {
     _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchGroups * 512 + 64 * line), _MM_HINT_T0);
   }
 }
+#endif
+
+#if LMRPC_AVX512
 
 // Chunk c of tile t as two bf16 kpair vectors (lut: Q4Table::bf16; low: 0x0f in every 16-bit lane).
 struct Q4Chunk {

@@ -33,13 +33,23 @@ inline __m256 offset_x8(const GroupWeights& gw, int l0) {
   return _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f));  // -(dmin * m)
 }
 
-// Y[0..7] (outputs l0 .. l0 + 7 of one row) after group g, from the group's sums a: fma(a, scale, Y), then
-// fma(group sum of x, offset, Y) when the group has offsets; dense weights (one group): Y = a.
+// A group's scales and offsets for 8 outputs, made once and folded into every row's sums.
+struct Fold8 {
+  __m256 scale, offset;
+  bool has_offset;
+};
+inline Fold8 fold_of(const GroupWeights& gw, int l0) {
+  const bool off = gw.has_offset();
+  return {scale_x8(gw, l0), off ? offset_x8(gw, l0) : _mm256_setzero_ps(), off};
+}
+
+// Y[0..7] (8 outputs of one row) after group g, from the group's sums a: fma(a, scale, Y), then fma(group sum of
+// x, offset, Y) when the group has offsets; dense weights (one group): Y = a.
 template <bool Q>
-inline void fold8(float* Y, __m256 a, const GroupWeights& gw, int l0, const float* sums, int64_t g) {
+inline void fold8(float* Y, __m256 a, const Fold8& f, const float* sums, int64_t g) {
   if constexpr (Q) {
-    __m256 y = _mm256_fmadd_ps(a, scale_x8(gw, l0), _mm256_load_ps(Y));
-    if (gw.has_offset()) y = _mm256_fmadd_ps(_mm256_set1_ps(sums[g]), offset_x8(gw, l0), y);
+    __m256 y = _mm256_fmadd_ps(a, f.scale, _mm256_load_ps(Y));
+    if (f.has_offset) y = _mm256_fmadd_ps(_mm256_set1_ps(sums[g]), f.offset, y);
     _mm256_store_ps(Y, y);
   } else {
     _mm256_store_ps(Y, a);
@@ -97,10 +107,11 @@ inline void tile_bf16(const uint16_t* w, const uint16_t* const (&x)[N], int64_t 
   }
 }
 
-// Rows r, r + 1 (N = 2) or r alone (N = 1) of a block over tile t of pair q, group g: sums, then folded into Y.
+// Rows r, r + 1 (N = 2) or r alone (N = 1) of a block over tile t of pair q, group g: sums, then folded into Y
+// with the tile's folds f (outputs 0-7 and 8-15).
 template <typename T, int N, int R, int P, bool Q>
-inline void tile_rows(const GroupWeights& gw, int q, int t, int r, int64_t g, int64_t gkp, const RowBlock& rb,
-                      float (&Y)[R][32 * P]) {
+inline void tile_rows(const GroupWeights& gw, const Fold8 (&f)[2], int q, int t, int r, int64_t g, int64_t gkp,
+                      const RowBlock& rb, float (&Y)[R][32 * P]) {
   const T* x[N];
   for (int i = 0; i < N; ++i) x[i] = static_cast<const T*>(rb.x[r + i]) + 2 * g * gkp;
   const T* w = static_cast<const T*>(gw.w) + 32 * t;
@@ -108,8 +119,7 @@ inline void tile_rows(const GroupWeights& gw, int q, int t, int r, int64_t g, in
   if constexpr (sizeof(T) == 2) tile_bf16<N>(w, x, gkp, s); else tile_f32<N>(w, x, gkp, s);
   for (int i = 0; i < N; ++i)
     for (int h = 0; h < 2; ++h) {
-      const int l0 = 16 * t + 8 * h;
-      fold8<Q>(&Y[r + i][32 * q + l0], s[i][h], gw, l0, rb.sums[r + i], g);
+      fold8<Q>(&Y[r + i][32 * q + 16 * t + 8 * h], s[i][h], f[h], rb.sums[r + i], g);
     }
 }
 
@@ -123,9 +133,14 @@ void block_avx2(const Source* src, int64_t groups, int64_t gkp, const RowBlock& 
     for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
     for (int q = 0; q < P; ++q)
       for (int t = 0; t < 2; ++t) {
+        Fold8 f[2] = {};
+        if constexpr (Q) {
+          f[0] = fold_of(gw[q], 16 * t);
+          f[1] = fold_of(gw[q], 16 * t + 8);
+        }
         int r = 0;
-        for (; r + 2 <= R; r += 2) tile_rows<T, 2, R, P, Q>(gw[q], q, t, r, g, gkp, rb, Y);
-        if (r < R) tile_rows<T, 1, R, P, Q>(gw[q], q, t, r, g, gkp, rb, Y);
+        for (; r + 2 <= R; r += 2) tile_rows<T, 2, R, P, Q>(gw[q], f, q, t, r, g, gkp, rb, Y);
+        if (r < R) tile_rows<T, 1, R, P, Q>(gw[q], f, q, t, r, g, gkp, rb, Y);
       }
   }
   for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
@@ -149,6 +164,7 @@ inline void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, 
     };
     if (q4) {  // 8 chunks of 32 bytes per tile: kpair 2c in the low nibbles, 2c + 1 in the high ones
       const uint8_t* src = static_cast<const uint8_t*>(w.data) + (p * groups + g) * 512;
+      prefetch_q4_ahead(src);
       for (int c = 0; c < 8; ++c) {
         const __m256 x0 = pair_of(2 * c), x1 = pair_of(2 * c + 1);
         for (int t = 0; t < 2; ++t)
@@ -162,6 +178,9 @@ inline void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, 
       }
     } else {  // one vector of 32 int8 per kpair and tile
       const int8_t* src = static_cast<const int8_t*>(w.data) + (p * kp + g * gkp) * 64;
+      for (int64_t line = 0; line < gkp; ++line) {  // the group two ahead (64 bytes a kpair), asked into L1
+        _mm_prefetch(reinterpret_cast<const char*>(src + 2 * gkp * 64 + 64 * line), _MM_HINT_T0);
+      }
       for (int64_t j = 0; j < gkp; ++j) {
         const __m256 xj = pair_of(j);
         for (int t = 0; t < 2; ++t)
@@ -173,11 +192,51 @@ inline void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, 
       }
     }
     for (int t = 0; t < 2; ++t) {
-      fold8<true>(Y + 16 * t, pair_sums(acc[t][0], acc[t][1]), gw, 16 * t, sums, g);
-      fold8<true>(Y + 16 * t + 8, pair_sums(acc[t][2], acc[t][3]), gw, 16 * t + 8, sums, g);
+      fold8<true>(Y + 16 * t, pair_sums(acc[t][0], acc[t][1]), fold_of(gw, 16 * t), sums, g);
+      fold8<true>(Y + 16 * t + 8, pair_sums(acc[t][2], acc[t][3]), fold_of(gw, 16 * t + 8), sums, g);
     }
   }
   std::memcpy(out, Y, sizeof(Y));
+}
+
+// R (<= 4) rows x one tile pair (p) of Q4 codes over every group, float32, the codes made floats in registers
+// once per row block: half a tile at a time (8 outputs), each chunk's 16 bytes -> kpairs 2c and 2c + 1 for every
+// row. The operations of block_f32<R, 1, true>; reads a quarter byte a weight where expanded groups take four.
+template <int R>
+void block_q4_f32(const PackedWeight& w, int64_t p, const RowBlock& rb) {
+  const int64_t groups = w.k_pad / w.group;
+  const __m256i bias = _mm256_set1_epi32(w.q4_signed ? 8 : 0), low = _mm256_set1_epi32(0x0f);
+  alignas(32) float Y[R][32] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
+    const uint8_t* src = static_cast<const uint8_t*>(w.data) + (p * groups + g) * 512;
+    prefetch_q4_ahead(src);
+    for (int t = 0; t < 2; ++t)
+      for (int half = 0; half < 2; ++half) {  // lanes 16 half .. 16 half + 15: outputs 8 half .. 8 half + 7
+        __m256 acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int c = 0; c < 8; ++c) {
+          __m256 lo[2], hi[2];
+          for (int i = 0; i < 2; ++i) {
+            const __m256i v = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 256 * t + 32 * c + 16 * half + 8 * i)));
+            lo[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low), bias));
+            hi[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), bias));
+          }
+          for (int r = 0; r < R; ++r) {
+            const double* x = reinterpret_cast<const double*>(static_cast<const float*>(rb.x[r]) + 32 * g + 4 * c);
+            const __m256 x0 = _mm256_castpd_ps(_mm256_broadcast_sd(x));
+            const __m256 x1 = _mm256_castpd_ps(_mm256_broadcast_sd(x + 1));
+            for (int i = 0; i < 2; ++i) acc[r][i] = _mm256_fmadd_ps(hi[i], x1, _mm256_fmadd_ps(lo[i], x0, acc[r][i]));
+          }
+        }
+        const Fold8 f = fold_of(gw, 16 * t + 8 * half);
+        for (int r = 0; r < R; ++r) {
+          fold8<true>(&Y[r][16 * t + 8 * half], pair_sums(acc[r][0], acc[r][1]), f, rb.sums[r], g);
+        }
+      }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
 }
 
 template <int R, int P, bool Q, typename Source>

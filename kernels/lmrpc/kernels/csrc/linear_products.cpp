@@ -218,6 +218,33 @@ void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& 
 }
 #endif
 
+#if LMRPC_AVX2
+// Q4 weights, float32 products, many rows: one tile pair at a time, blocks of 4 rows over the 4-bit blocks, the
+// codes made floats in registers once per block (block_q4_f32), rather than every group expanded to 4 bytes a
+// weight in a buffer that a large weight's row blocks read from L3.
+void many_rows_q4_f32(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
+  constexpr int kRows = 4;
+  const int64_t groups = w.k_pad / w.group;
+  alignas(64) float out[kMaxRows][32 * kMaxPairs];
+  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, rr.end - r0));
+    RowBlock rb{};
+    for (int r = 0; r < rows; ++r) {
+      rb.x[r] = in.f32.data() + (r0 + r) * w.k_pad;
+      rb.sums[r] = w.has_offsets() ? in.sums.data() + (r0 + r) * groups : nullptr;
+      rb.out[r] = out[r];
+    }
+    switch (rows) {
+      case 1: block_q4_f32<1>(w, p, rb); break;
+      case 2: block_q4_f32<2>(w, p, rb); break;
+      case 3: block_q4_f32<3>(w, p, rb); break;
+      default: block_q4_f32<4>(w, p, rb); break;
+    }
+    epilogue(w, a, r0, rows, p, 1, out);
+  }
+}
+#endif
+
 // The rows of `pairs` (1 or kMaxPairs) tile pairs from pair p.
 template <typename T, int P>
 void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
@@ -259,6 +286,10 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
 #endif
 #if LMRPC_AVX2
   if constexpr (sizeof(T) == 4) {
+    if (w.format == WeightFormat::Q4 && !one_block) {
+      for (int q = 0; q < P; ++q) many_rows_q4_f32(w, in, a, rr, p + q);
+      return;
+    }
     if (quantized && rr.size() == 1) {  // one row (a decode step of one sequence): codes read as stored
       alignas(64) float row[32 * kMaxPairs];
       for (int q = 0; q < P; ++q) {
