@@ -327,7 +327,12 @@ void attention_impl(const AttentionArgs& a, const CacheView& c) {
   // contiguous read per page), else one (a single decode query still uses every thread). Either way each head's
   // numbers come from the same operations in the same order.
   const int64_t span = a.t >= 4 * threads ? kvh : 1;
-  const int64_t per_query = kvh / span;
+  // Few items (a decode step of one or two sequences: 3 kv heads on 2 threads left one waiting a third of the
+  // time): each kv head's query heads are split into `splits` parts too, one item each.
+  const int64_t few = a.t * (kvh / span);
+  const int splits = span == 1 && few < 4 * threads
+                         ? static_cast<int>(std::min<int64_t>(groups, (4 * threads + few - 1) / few)) : 1;
+  const int64_t per_query = kvh / span * splits;
   const int64_t items = a.t * per_query;
   const int64_t parts = std::min<int64_t>(threads, items);
 #pragma omp parallel num_threads(parts)
@@ -337,13 +342,15 @@ void attention_impl(const AttentionArgs& a, const CacheView& c) {
     std::vector<float*> out(span * kMaxGroup);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t t = item / per_query, h0 = item % per_query * span;
+      const int64_t t = item / per_query, h0 = item % per_query / splits * span;
+      int64_t g_begin, g_end;  // this item's query heads of each kv head
+      split_range(groups, splits, static_cast<int>(item % splits), &g_begin, &g_end);
       const int64_t ctx = a.token_ctx[t];
       const int32_t* pages = a.block_table + static_cast<int64_t>(a.token_seq[t]) * a.table_width;
       const int64_t stride = (ctx + 15) / 16 * 16;
       work.resize(span * kMaxGroup * (stride + hd + 1));
-      for (int g0 = 0; g0 < groups; g0 += kMaxGroup) {
-        const int gn = std::min(kMaxGroup, groups - g0);
+      for (int g0 = static_cast<int>(g_begin); g0 < g_end; g0 += kMaxGroup) {
+        const int gn = std::min<int>(kMaxGroup, static_cast<int>(g_end) - g0);
         for (int64_t h = 0; h < span; ++h) {
           for (int g = 0; g < gn; ++g) {
             const int64_t head = (h0 + h) * groups + g0 + g;
