@@ -149,12 +149,27 @@ void block_avx2(const Source* src, int64_t groups, int64_t gkp, const RowBlock& 
   for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
 }
 
+// 8 bytes of a Q4 chunk -> their 8 lanes' values of kpair 2c (low nibbles) and 2c + 1 (high nibbles), as floats:
+// q - 8 when kSigned (Q4_0), else q (the subtraction costs two of nine instructions a byte pair: only where needed).
+template <bool kSigned>
+LMRPC_INLINE void q4_lanes(const uint8_t* bytes, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  __m256i l = _mm256_and_si256(v, _mm256_set1_epi32(0x0f)), h = _mm256_srli_epi32(v, 4);
+  if constexpr (kSigned) {
+    l = _mm256_sub_epi32(l, _mm256_set1_epi32(8));
+    h = _mm256_sub_epi32(h, _mm256_set1_epi32(8));
+  }
+  lo = _mm256_cvtepi32_ps(l);
+  hi = _mm256_cvtepi32_ps(h);
+}
+
 // One row, float32, one tile pair (p) of Q4 or Q8 codes, read as they are stored: each kpair's codes become floats
 // in registers and enter the sums at once (no expanded group in memory). The operations of block_f32<1, 1, true>.
-inline void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, const float* sums, float* out) {
+// kSigned: Q4 codes stand for q - 8 (Q4_0), else q.
+template <bool kSigned>
+void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, const float* sums, float* out) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
   const bool q4 = w.format == WeightFormat::Q4;
-  const __m256i bias = _mm256_set1_epi32(w.q4_signed ? 8 : 0), low = _mm256_set1_epi32(0x0f);
   alignas(32) float Y[32] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
@@ -172,10 +187,8 @@ inline void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, 
         const __m256 x0 = pair_of(2 * c), x1 = pair_of(2 * c + 1);
         for (int t = 0; t < 2; ++t)
           for (int h = 0; h < 4; ++h) {
-            const __m256i v = _mm256_cvtepu8_epi32(
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 256 * t + 32 * c + 8 * h)));
-            const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low), bias));
-            const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), bias));
+            __m256 lo, hi;
+            q4_lanes<kSigned>(src + 256 * t + 32 * c + 8 * h, lo, hi);
             acc[t][h] = _mm256_fmadd_ps(hi, x1, _mm256_fmadd_ps(lo, x0, acc[t][h]));
           }
       }
@@ -205,10 +218,9 @@ inline void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, 
 // R (<= 4) rows x one tile pair (p) of Q4 codes over every group, float32, the codes made floats in registers
 // once per row block: half a tile at a time (8 outputs), each chunk's 16 bytes -> kpairs 2c and 2c + 1 for every
 // row. The operations of block_f32<R, 1, true>; reads a quarter byte a weight where expanded groups take four.
-template <int R>
+template <int R, bool kSigned>
 void block_q4_f32(const PackedWeight& w, int64_t p, const RowBlock& rb) {
   const int64_t groups = w.k_pad / w.group;
-  const __m256i bias = _mm256_set1_epi32(w.q4_signed ? 8 : 0), low = _mm256_set1_epi32(0x0f);
   alignas(32) float Y[R][32] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
@@ -220,12 +232,7 @@ void block_q4_f32(const PackedWeight& w, int64_t p, const RowBlock& rb) {
         for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int c = 0; c < 8; ++c) {
           __m256 lo[2], hi[2];
-          for (int i = 0; i < 2; ++i) {
-            const __m256i v = _mm256_cvtepu8_epi32(
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 256 * t + 32 * c + 16 * half + 8 * i)));
-            lo[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low), bias));
-            hi[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), bias));
-          }
+          for (int i = 0; i < 2; ++i) q4_lanes<kSigned>(src + 256 * t + 32 * c + 16 * half + 8 * i, lo[i], hi[i]);
           for (int r = 0; r < R; ++r) {
             const double* x = reinterpret_cast<const double*>(static_cast<const float*>(rb.x[r]) + 32 * g + 4 * c);
             const __m256 x0 = _mm256_castpd_ps(_mm256_broadcast_sd(x));

@@ -234,11 +234,20 @@ void many_rows_q4_f32(const PackedWeight& w, const Inputs& in, const LinearArgs&
       rb.sums[r] = w.has_offsets() ? in.sums.data() + (r0 + r) * groups : nullptr;
       rb.out[r] = out[r];
     }
-    switch (rows) {
-      case 1: block_q4_f32<1>(w, p, rb); break;
-      case 2: block_q4_f32<2>(w, p, rb); break;
-      case 3: block_q4_f32<3>(w, p, rb); break;
-      default: block_q4_f32<4>(w, p, rb); break;
+    if (w.q4_signed) {
+      switch (rows) {
+        case 1: block_q4_f32<1, true>(w, p, rb); break;
+        case 2: block_q4_f32<2, true>(w, p, rb); break;
+        case 3: block_q4_f32<3, true>(w, p, rb); break;
+        default: block_q4_f32<4, true>(w, p, rb); break;
+      }
+    } else {
+      switch (rows) {
+        case 1: block_q4_f32<1, false>(w, p, rb); break;
+        case 2: block_q4_f32<2, false>(w, p, rb); break;
+        case 3: block_q4_f32<3, false>(w, p, rb); break;
+        default: block_q4_f32<4, false>(w, p, rb); break;
+      }
     }
     epilogue(w, a, r0, rows, p, 1, out);
   }
@@ -293,8 +302,10 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
     if (quantized && rr.size() == 1) {  // one row (a decode step of one sequence): codes read as stored
       alignas(64) float row[32 * kMaxPairs];
       for (int q = 0; q < P; ++q) {
-        one_row_codes_f32(w, p + q, in.f32.data() + rr.begin * w.k_pad,
-                          w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr, row + 32 * q);
+        const float* x = in.f32.data() + rr.begin * w.k_pad;
+        const float* sums = w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr;
+        if (w.q4_signed && w.format == WeightFormat::Q4) one_row_codes_f32<true>(w, p + q, x, sums, row + 32 * q);
+        else one_row_codes_f32<false>(w, p + q, x, sums, row + 32 * q);
       }
       epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
       return;
