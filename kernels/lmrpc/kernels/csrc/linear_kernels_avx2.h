@@ -5,6 +5,10 @@
 // float32 products: per row and lane (16 * tile + output, even/odd input) a running sum over a group's kpairs, the
 // even and odd sums added at the group's end, then folded. bfloat16 products: per row and output,
 // fma(x_even, w_even, acc) then fma(x_odd, w_odd, .) over the group's kpairs, then folded.
+//
+// Besides the blocks over expanded groups (block_avx2), float32 products of quantized weights read their codes as
+// stored where that saves memory traffic: one row over Q4 or Q8 codes (one_row_codes_f32), and many rows over Q4
+// codes in blocks of 4 (block_q4_f32).
 #pragma once
 
 #include <cstdint>
