@@ -158,19 +158,20 @@ void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearAr
 }
 #endif
 
-#if LMRPC_AVX512
-// Every row of tile pair p in blocks of up to kMaxRows bf16 rows: block(rows, rb) computes a block's results into
-// rb.out, and the epilogue writes them.
-template <typename Block>
-void pair_in_row_blocks(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
-                        Block&& block) {
+#if LMRPC_AVX512 || LMRPC_AVX2
+// Every row of tile pair p in blocks of up to kRows rows of xq (the inputs as the products read them, bf16 or
+// float32): block(rows, rb) computes a block's results into rb.out, and the epilogue writes them.
+template <int kRows = kMaxRows, typename T, typename Block>
+void pair_in_row_blocks(const PackedWeight& w, const T* xq, const Inputs& in, const LinearArgs& a, RowRange rr,
+                        int64_t p, Block&& block) {
+  static_assert(kRows <= kMaxRows);
   const int64_t groups = w.k_pad / w.group;
   alignas(64) float out[kMaxRows][32 * kMaxPairs];
-  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kMaxRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rr.end - r0));
+  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, rr.end - r0));
     RowBlock rb{};
     for (int r = 0; r < rows; ++r) {
-      rb.x[r] = in.bf16.data() + (r0 + r) * w.k_pad;
+      rb.x[r] = xq + (r0 + r) * w.k_pad;
       rb.sums[r] = w.has_offsets() ? in.sums.data() + (r0 + r) * groups : nullptr;
       rb.out[r] = out[r];
     }
@@ -178,6 +179,9 @@ void pair_in_row_blocks(const PackedWeight& w, const Inputs& in, const LinearArg
     epilogue(w, a, r0, rows, p, 1, out);
   }
 }
+#endif
+
+#if LMRPC_AVX512
 
 // Q4 weights, bf16 products, many rows: one tile pair at a time, blocks of up to kMaxRows rows over the 4-bit
 // blocks, each group's codes expanded in registers once per row block (block_q4). Against reading the codes
@@ -186,7 +190,7 @@ void pair_in_row_blocks(const PackedWeight& w, const Inputs& in, const LinearArg
 void many_rows_q4(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
                   const Q4Table& table) {
   const int64_t groups = w.k_pad / w.group;
-  pair_in_row_blocks(w, in, a, rr, p, [&](int rows, const RowBlock& rb) {
+  pair_in_row_blocks(w, in.bf16.data(), in, a, rr, p, [&](int rows, const RowBlock& rb) {
     switch (rows) {
       case 1: block_q4<1>(w, p, table, groups, rb); break;
       case 2: block_q4<2>(w, p, table, groups, rb); break;
@@ -205,7 +209,7 @@ void many_rows_q4(const PackedWeight& w, const Inputs& in, const LinearArgs& a, 
 void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
   const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
   const CodesSource src[1] = {{PairIndex{&w, p, groups, gkp, kp}}};
-  pair_in_row_blocks(w, in, a, rr, p, [&](int rows, const RowBlock& rb) {
+  pair_in_row_blocks(w, in.bf16.data(), in, a, rr, p, [&](int rows, const RowBlock& rb) {
     switch (rows) {
       case 1: block_bf16<1, 1, true>(src, groups, gkp, rb); break;
       case 2: block_bf16<2, 1, true>(src, groups, gkp, rb); break;
@@ -223,17 +227,7 @@ void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& 
 // codes made floats in registers once per block (block_q4_f32), rather than every group expanded to 4 bytes a
 // weight in a buffer that a large weight's row blocks read from L3.
 void many_rows_q4_f32(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
-  constexpr int kRows = 4;
-  const int64_t groups = w.k_pad / w.group;
-  alignas(64) float out[kMaxRows][32 * kMaxPairs];
-  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, rr.end - r0));
-    RowBlock rb{};
-    for (int r = 0; r < rows; ++r) {
-      rb.x[r] = in.f32.data() + (r0 + r) * w.k_pad;
-      rb.sums[r] = w.has_offsets() ? in.sums.data() + (r0 + r) * groups : nullptr;
-      rb.out[r] = out[r];
-    }
+  pair_in_row_blocks<4>(w, in.f32.data(), in, a, rr, p, [&](int rows, const RowBlock& rb) {
     if (w.q4_signed) {
       switch (rows) {
         case 1: block_q4_f32<1, true>(w, p, rb); break;
@@ -249,8 +243,7 @@ void many_rows_q4_f32(const PackedWeight& w, const Inputs& in, const LinearArgs&
         default: block_q4_f32<4, false>(w, p, rb); break;
       }
     }
-    epilogue(w, a, r0, rows, p, 1, out);
-  }
+  });
 }
 #endif
 
@@ -301,9 +294,9 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
     }
     if (quantized && rr.size() == 1) {  // one row (a decode step of one sequence): codes read as stored
       alignas(64) float row[32 * kMaxPairs];
+      const float* x = in.f32.data() + rr.begin * w.k_pad;
+      const float* sums = w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr;
       for (int q = 0; q < P; ++q) {
-        const float* x = in.f32.data() + rr.begin * w.k_pad;
-        const float* sums = w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr;
         if (w.q4_signed && w.format == WeightFormat::Q4) one_row_codes_f32<true>(w, p + q, x, sums, row + 32 * q);
         else one_row_codes_f32<false>(w, p + q, x, sums, row + 32 * q);
       }
