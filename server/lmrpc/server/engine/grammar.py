@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -258,8 +258,10 @@ class GrammarBackend:
 
     def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], out: torch.Tensor) -> None:
         """out [B, ceil(vocab/32)] int32: for each (matcher, i), row i <- its allowed tokens; one parallel call.
-        Touches no torch kernel (llguidance writes the rows through the tensor's pointer), so any thread may call it."""
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for m, i in rows], out)
+        Touches no torch kernel (llguidance writes the rows through the array's pointer), so any thread may call it.
+        llguidance.numpy, not llguidance.torch: importing the latter compiles a mask kernel with torch.compile (1.3 s
+        of torch._inductor imports at every server start) that lmrpc never calls."""
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for m, i in rows], out.numpy())
 
 
 def _key(constraint: Constraint) -> tuple[str, str, bool | None]:

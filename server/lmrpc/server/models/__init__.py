@@ -63,9 +63,13 @@ def register(*architectures: str) -> Callable[[ModelT], ModelT]:
     return wrap
 
 
-def load_registry() -> dict[str, type[Any]]:
-    """Import every model module (registering it) and return the registry."""
+def load_registry(architecture: str | None = None) -> dict[str, type[Any]]:
+    """Import the model modules (registering them) and return the registry: the text families always, the
+    multimodal ones unless `architecture` is a text family's. Each multimodal module imports transformers' vision
+    or audio modeling code (about 2 s together), which a text model's server start need not pay."""
     from lmrpc.server.models import llama, moe  # noqa: F401  (register on import)
-    from lmrpc.server.models.multimodal import llava, qwen2_audio, qwen2_vl  # noqa: F401  (register on import)
+
+    if architecture is None or architecture not in REGISTRY:
+        from lmrpc.server.models.multimodal import llava, qwen2_audio, qwen2_vl  # noqa: F401  (register on import)
 
     return REGISTRY

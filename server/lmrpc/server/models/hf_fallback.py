@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from lmrpc.kernels.paged import AttentionMetadata, ChunkSpec, QKNorm, build_metadata
 from lmrpc.server.models import ForwardContext
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class TokenSlots:
@@ -56,6 +59,10 @@ class HFCausalLM:
 
     @classmethod
     def from_pretrained(cls, path: Path, dtype: torch.dtype, device: torch.device) -> HFCausalLM:
+        # Imported here, not at the top: transformers' modeling modules take 2 s to import, at every server start,
+        # and only a model without a native family needs them.
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device})
         return cls(model.eval(), device)
 

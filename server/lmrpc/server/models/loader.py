@@ -183,7 +183,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     path, gguf = resolve_model_path(config)
     hf_config = AutoConfig.from_pretrained(path)
     arch = (hf_config.architectures or ["?"])[0]
-    registry = load_registry()
+    registry = load_registry(arch)
     device = pick_device(config)
     dtype = resolve_dtype(config.dtype, device)
     quantization = Quantization(config.quantization)
