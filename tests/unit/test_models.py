@@ -4,6 +4,7 @@ and the real SmolLM2 model read from its GGUF file (greedy tokens and logits ove
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen3Config,
@@ -184,11 +186,11 @@ def _chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_tokens_and_logits_equal_transformers(smollm2_gguf: Path) -> None:
+def test_smollm2_greedy_tokens_and_logits_equal_transformers(
+        smollm2_gguf: Path, smollm2_transformers: Callable[[], PreTrainedModel]) -> None:
     """5 prompts, 64 greedy tokens in float32 on the GGUF's dequantized weights: same tokens, logits within 1e-3."""
     loaded = load_model(ModelConfig(path=str(smollm2_gguf), dtype="float32", device="cpu", quantization="none"))
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                              dtype=torch.float32).eval()
+    hf = smollm2_transformers()
     steps = 64
     eos = list(loaded.info.eos_token_ids)
     for text in PARITY_PROMPTS:
