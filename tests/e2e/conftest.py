@@ -67,6 +67,12 @@ def start_server(*args: str, timeout: float = 300) -> RunningServer:
     return running
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The container test runs last: in CI its image is built in the background (scripts/test.sh), and this gives
+    the build the whole run to finish."""
+    items.sort(key=lambda item: item.path.name == "test_container.py")
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
     running = start_server("--enable-custom-logit-processor", "--sampling-defaults", "openai", "--metrics-port", "0")
