@@ -102,3 +102,31 @@ def test_a_released_tensor_still_reads_its_bytes(every_value_type: Path) -> None
         ours.release(t)
     for name, t in ours.tensors.items():
         assert np.array_equal(t.data.view(np.uint8), before[name].view(np.uint8)), name
+
+
+def _small(path: Path, *, tokens: list[str], weight_type: gguf.GGMLQuantizationType, seed: int,
+           output: bool = False) -> Path:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_uint32("llama.block_count", 1)
+    weight = np.random.default_rng(seed).standard_normal((4, 64)).astype(np.float32)
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(weight, weight_type), raw_dtype=weight_type)
+    if output:
+        w.add_tensor("output.weight", weight)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_the_header_digest_covers_metadata_and_tensor_names_not_weights(tmp_path: Path) -> None:
+    """What the loader keys a file's converted config and tokenizer on: one model's quantizations share it; another
+    vocabulary (an array field), or another tensor (tied embeddings become untied), does not."""
+    q4, q8 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
+    base = GGUFFile(_small(tmp_path / "a.gguf", tokens=["a", "b"], weight_type=q4, seed=0)).header_digest
+    same = GGUFFile(_small(tmp_path / "b.gguf", tokens=["a", "b"], weight_type=q8, seed=1)).header_digest
+    vocab = GGUFFile(_small(tmp_path / "c.gguf", tokens=["a", "c"], weight_type=q4, seed=0)).header_digest
+    untied = GGUFFile(_small(tmp_path / "d.gguf", tokens=["a", "b"], weight_type=q4, seed=0, output=True)).header_digest
+    assert base == same
+    assert len({base, vocab, untied}) == 3

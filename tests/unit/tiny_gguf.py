@@ -8,6 +8,7 @@ against gguf's own `dequantize` of whatever bytes they write."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import gguf
@@ -78,6 +79,12 @@ def quantize(w: np.ndarray, qtype: T) -> np.ndarray:
     return gguf.quants.quantize(w, qtype)
 
 
+@functools.cache
+def bundled() -> gguf.GGUFReader:
+    """The default model's GGUF as gguf reads it, once per process (5 s each: its 49k-token vocabulary)."""
+    return gguf.GGUFReader(str(default_gguf()))
+
+
 def _copy_fields(src: gguf.GGUFReader, out: gguf.GGUFWriter, keep: tuple[str, ...]) -> None:
     for field in src.fields.values():
         if field.name.startswith(keep):
@@ -102,7 +109,7 @@ def write_tiny_llama(path: Path, qtype: T, seed: int = 0, v_down: T | None = Non
     c = TINY
     head_dim = c["hidden"] // c["heads"]
     out = gguf.GGUFWriter(str(path), "llama")
-    _copy_fields(gguf.GGUFReader(str(default_gguf())), out, ("tokenizer.",))
+    _copy_fields(bundled(), out, ("tokenizer.",))
     out.add_block_count(c["layers"])
     out.add_context_length(4096)
     out.add_embedding_length(c["hidden"])
@@ -137,7 +144,7 @@ def write_tiny_llama(path: Path, qtype: T, seed: int = 0, v_down: T | None = Non
 def write_smollm2_k_quant(path: Path) -> Path:
     """SmolLM2 with its MLP down projections (1536 wide) re-quantized from the file's values: Q6_K in every other
     layer, Q4_K in the rest (Q4_K_M's mix); every other tensor as the file has it."""
-    src = gguf.GGUFReader(str(default_gguf()))
+    src = bundled()
     out = gguf.GGUFWriter(str(path), "llama")
     _copy_fields(src, out, ("general.", "llama.", "tokenizer."))
     tensors: dict[str, tuple[np.ndarray, T]] = {}

@@ -16,6 +16,7 @@ first), ggml type (u32), offset (u64) from the data section, which starts at the
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from collections.abc import Mapping
@@ -132,12 +133,17 @@ class GGUFFile:
                              f"takes versions {VERSIONS} in little-endian")
         num_tensors, num_fields = cursor.count(), cursor.count()
         metadata: dict[str, Scalar] = {}
+        fields_start = cursor.at
         for _ in range(num_fields):
             key = cursor.string()
             value = cursor.value(cursor.value_type())
             if value is not None:
                 metadata[key] = value
         self.metadata: Mapping[str, Scalar] = metadata  # scalar and string fields (arrays are not kept)
+        # What an HF config and tokenizer are converted from: every metadata field (arrays included) and the tensors'
+        # names and shapes (transformers reads a few config values from them, e.g. tied embeddings when there is no
+        # output.weight), not their formats or bytes. Files of one model in different quantizations share it.
+        digest = hashlib.sha256(self._map[fields_start : cursor.at])
         infos = []
         for _ in range(num_tensors):
             name = cursor.string()
@@ -148,6 +154,8 @@ class GGUFFile:
             except ValueError:
                 raise ValueError(f"{self.path}: tensor {name!r} has unknown ggml type {raw_type}") from None
             infos.append((name, dims, kind, cursor.count()))
+            digest.update(f"{name}{dims}".encode())
+        self.header_digest = digest.hexdigest()
         alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = -(-cursor.at // alignment) * alignment
         self.tensors: dict[str, GGUFTensor] = {}

@@ -26,6 +26,7 @@ from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
 from lmrpc.server.media.types import MultimodalProcessor
 from lmrpc.server.models import CausalLM, load_registry
+from lmrpc.server.models.gguf_file import GGUFFile
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import resolve_dtype
 from lmrpc.server.models.quantized import LinearBuilder, Quantization, quantization_name
@@ -72,6 +73,14 @@ def _cache_target(config: ModelConfig, gguf: Path, kind: str) -> Path:
     return cache_root(config) / f"{gguf.stem}-{kind}-{digest}"
 
 
+def _metadata_target(config: ModelConfig, gguf: Path) -> Path:
+    """Where a GGUF file's config and tokenizer are converted to: keyed by what they are converted from (the
+    header's fields and tensor names and shapes: GGUFFile.header_digest), so the quantizations of one model share
+    one conversion (transformers takes about 10 s per file), and a file replaced by another of the same name and
+    size is converted anew."""
+    return cache_root(config) / f"gguf-meta-{GGUFFile(gguf).header_digest[:16]}"
+
+
 def resolve_model_path(config: ModelConfig) -> tuple[Path, Path | None]:
     """(HF directory with config and tokenizer, GGUF file or None). A local HF model directory is used as it is; a
     GGUF file (or the default) gets its config and tokenizer converted once into the cache."""
@@ -80,7 +89,7 @@ def resolve_model_path(config: ModelConfig) -> tuple[Path, Path | None]:
         return path, None
     if path.suffix != ".gguf" or not path.is_file():
         raise FileNotFoundError(f"--model must be an HF model directory or a .gguf file: {path}")
-    target = _cache_target(config, path, "meta")
+    target = _metadata_target(config, path)
     if not (target / "config.json").exists():
         _convert_atomically(target, lambda tmp: _gguf_metadata(path, tmp))
     return target, path
