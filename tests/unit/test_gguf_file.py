@@ -37,6 +37,14 @@ def test_the_bundled_model_reads_as_gguf_reads_it(smollm2_gguf: Path) -> None:
     assert ours.field_int("llama.block_count") == 30
 
 
+def _written(w: gguf.GGUFWriter, path: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 @pytest.fixture
 def every_value_type(tmp_path: Path) -> Path:
     path = tmp_path / "every.gguf"
@@ -63,11 +71,7 @@ def every_value_type(tmp_path: Path) -> Path:
     q8 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("vec", rng.standard_normal(9).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _written(w, path)
 
 
 def test_every_value_type_and_tensor_kind_reads_as_gguf_reads_it(every_value_type: Path) -> None:
@@ -113,11 +117,7 @@ def _small(path: Path, *, tokens: list[str], weight_type: gguf.GGMLQuantizationT
     w.add_tensor("token_embd.weight", gguf.quants.quantize(weight, weight_type), raw_dtype=weight_type)
     if output:
         w.add_tensor("output.weight", weight)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _written(w, path)
 
 
 def test_the_header_digest_covers_metadata_and_tensor_names_not_weights(tmp_path: Path) -> None:
