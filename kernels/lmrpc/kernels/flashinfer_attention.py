@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's float workspace (split-kv partial outputs); its documented default size
 FLASHINFER_KV_DTYPES = (torch.float16, torch.bfloat16)  # the cache dtypes these kernels take (not float32)
+# The head sizes flashinfer's paged prefill and decode kernels are built for (DISPATCH_HEAD_DIM; 512 only in some
+# kernels): any other fails inside plan() or run() ("Unsupported head_dim: 16"), so such a model keeps the torch path.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 # The decode kernel on tensor cores folds the GQA group into the query tile; worth it from a group of 4 (what
 # sglang and vLLM use), below that the CUDA-core decode kernel is faster.
 TENSOR_CORE_DECODE_MIN_GROUP = 4
