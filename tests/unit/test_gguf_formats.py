@@ -102,6 +102,60 @@ def test_the_loaded_weight_is_ggufs_dequantize_to_the_bit(fmt: str) -> None:
     assert torch.equal(packing.dequantize(permuted), packing.dequantize(stacked)[order])
 
 
+def same_weight(a: PackedWeight, b: PackedWeight) -> bool:
+    """Bit for bit the same packed weight: shape, format and every stored tensor."""
+    def tensors(p: PackedWeight) -> list[torch.Tensor | None]:
+        ks = p.kscales
+        return [p.data, p.scale, p.offset, *([ks.d, ks.dmin, ks.sc, ks.m] if ks else [])]
+
+    return (a.n, a.k, a.group, a.label, a.q4_signed) == (b.n, b.k, b.group, b.label, b.q4_signed) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(tensors(a), tensors(b), strict=True))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_load_shortcuts_give_the_weight_the_long_way_gives(fmt: str) -> None:
+    """At load, parts of whole tile pairs are stacked tile for tile and q/k rows are permuted in the file's bytes
+    before packing: the same weights as unpacking and packing the codes again."""
+    k = 256
+    q, _ = load(fmt, 64, k)
+    kv, _ = load(fmt, 32, k, seed=1)
+    last, _ = load(fmt, 40, k, seed=2)  # the last part may end in a partial tile pair
+    parts = [q, kv, last]
+    assert same_weight(packing.concat_rows(parts), packing.concat_repacked(parts))
+    assert not same_weight(packing.concat_rows(parts), packing.concat_repacked([q, last, kv]))
+    raw = random_blocks(fmt, 64, k, 3)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(4))
+    ggml = int(FORMATS[fmt])
+    assert same_weight(gguf_blocks.pack_gguf(ggml, raw.reshape(64, -1)[order.numpy()], 64, k),
+                       packing.permute_rows(gguf_blocks.pack_gguf(ggml, raw, 64, k), order))
+
+
+@pytest.mark.parametrize("ggml_type", [gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q4_K])
+def test_4_bit_blocks_go_straight_into_the_layout_pack_q4_makes_of_their_codes(ggml_type: int) -> None:
+    """The loader shuffles 4-bit blocks' bytes into the kernels' layout without a byte per code; the same weight as
+    packing the codes (read the plain way, a nibble at a time), padding rows included (n = 40 of 64)."""
+    n, k = 40, 256
+    rng = np.random.default_rng(ggml_type)
+    elements, nbytes = gguf_blocks.BLOCK[ggml_type]
+    b = rng.integers(0, 256, (n, k // elements, nbytes), dtype=np.uint8)
+    b[..., 0:4] = rng.uniform(1e-4, 2e-3, (n, k // elements, 2)).astype(np.float16).view(np.uint8)
+    fast = gguf_blocks.pack_gguf(ggml_type, b.reshape(n, -1), n, k)
+    if ggml_type == gguf_blocks.Q4_K:  # group 2j: the low nibbles of the j-th 32 code bytes, 2j + 1 the high ones
+        qs = b[..., 16:144].reshape(n, -1, 4, 1, 32)
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)
+        assert fast.kscales is not None
+        slow = packing.pack_k(packing.WeightFormat.Q4, torch.from_numpy(codes), 32, fast.kscales, "q4_k")
+    else:  # element i: the low nibble of byte i, element i + 16 its high nibble
+        at = 4 if ggml_type == gguf_blocks.Q4_1 else 2
+        qs = b[..., at:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+        halves = b[..., 0:4].copy().view(np.float16).astype(np.float32)  # [n, groups, 2]: d, m
+        d, m = torch.from_numpy(halves[..., 0]), torch.from_numpy(halves[..., 1])
+        slow = packing.pack_q4(torch.from_numpy(codes), d, m if ggml_type == gguf_blocks.Q4_1 else None)
+    assert same_weight(fast, slow)
+
+
 def test_bits_per_weight_stay_near_the_files() -> None:
     # Q4_K, the bulk of a Q4_K_M file, keeps 4-bit codes and its scales as stored: 4.625 bits a weight (file 4.5).
     n, k = 64, 1024

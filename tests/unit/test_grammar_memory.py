@@ -1,7 +1,7 @@
 """What the grammar backend keeps stays bounded, and a request's matcher travels with the request: the compiled
 grammars and the matchers kept for repeated constraints are bounded by count and by their grammars' characters; the
 engine copies the matcher the service's check built even once the backend dropped its own; an idle engine gives
-the heap a burst freed back to the OS (engine/heap.py)."""
+the heap a burst freed back to the OS (heap.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from transformers import PreTrainedTokenizerBase
 from lmrpc.server.engine import grammar as grammar_module
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarError, _Bounded
-from lmrpc.server.engine.heap import HeapTrimmer, _malloc_trim
 from lmrpc.server.engine.types import Constraint, EngineRequest, SamplingParams
+from lmrpc.server.heap import HeapTrimmer, _malloc_trim
 
 VOCAB = 49152
 

@@ -17,7 +17,9 @@ Q5_0, Q5_1 and Q6_K hold their codes in 8 bits: llama-quantize uses them for a m
 where a width is not a multiple of 256; Q6_K for the output projection and some v/down projections of Q4_K_M).
 Q5_K, the bulk of a Q5_K_M file, does too for now (a 5-bit layout would bring it to 5.6).
 
-Everything here is numpy/torch on the host, run once per tensor at load, 2048 rows at a time (CHUNK_ROWS).
+Everything here is numpy/torch on the host, run once per tensor at load, 2048 rows at a time (CHUNK_ROWS). The 4-bit
+formats (Q4_0, Q4_1, Q4_K: the bulk of most files) go from their blocks' bytes to the kernels' layout by 32-bit word
+operations (`_q4_chunks`), never a byte per code: a 1.7B Q4_0 file packs in about 4 s here instead of 15.
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def _bits(qh: np.ndarray, count: int) -> np.ndarray:
     """[..., b] bytes -> [..., count, b]: bit i of each byte in row i."""
     return (qh[..., None, :] >> np.arange(count, dtype=np.uint8)[:, None]) & 1
+
+
+def _fp16(raw: np.ndarray) -> torch.Tensor:
+    """[..., 2] uint8 little-endian fp16 -> float16 [...] as stored."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0])
+
+
+def _q4_chunks(qs: np.ndarray, high_nibbles: bool) -> np.ndarray:
+    """packing.q4_tiles' bytes, two codes a byte, from the bytes holding a group's codes in their low or high nibbles:
+    qs [..., 8 c, 4] with byte 2h + e holding code 4c + 2h + e (after 16 when high). Read as little-endian words
+    (lo0 | lo1 << 8 | hi0 << 16 | hi1 << 24), a chunk c is the 16-bit word (code 4c) | (code 4c + 2) << 4 over its
+    two bytes e: one pass of word operations over the block's bytes, never a byte per code."""
+    w = np.ascontiguousarray(qs).view(np.uint32)[..., 0]  # [..., 8]
+    out = ((w >> 4) & 0x0F0F) | ((w >> 16) & 0xF0F0) if high_nibbles else (w & 0x0F0F) | ((w >> 12) & 0xF0F0)
+    return out.astype(np.uint16)
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,15 +102,17 @@ def pack_gguf(ggml_type: int, raw: np.ndarray, n: int, k: int, chunk_rows: int =
 
 def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     """Blocks of 32 with an fp16 scale (and offset) each."""
+    with_min = ggml_type in (Q4_1, Q5_1)
+    at = 4 if with_min else 2
+    if ggml_type in (Q4_0, Q4_1):  # element i: low nibble of byte i, element i + 16: its high nibble
+        qs = np.ascontiguousarray(b[..., at:]).reshape(n, -1, 4, 4)  # [n, groups, c mod 4, 4 bytes]
+        chunks = np.concatenate([_q4_chunks(qs, False), _q4_chunks(qs, True)], axis=2)  # [n, groups, 8] uint16
+        data = packing.q4_tiles(torch.from_numpy(chunks.view(np.uint8).reshape(n, -1, 8, 2)), signed=not with_min)
+        return packing.pack_q4_tiled(data, n, k, _fp16(b[..., 0:2]), _fp16(b[..., 2:4]) if with_min else None)
     d = _halves(b[..., 0:2])  # [n, groups]
     if ggml_type == Q8_0:
         return packing.pack_q8(_tensor(b[..., 2:].view(np.int8), n, k, torch.int8), d, 32)
-    with_min = ggml_type in (Q4_1, Q5_1)
     m = _halves(b[..., 2:4]) if with_min else None
-    at = 4 if with_min else 2
-    if ggml_type in (Q4_0, Q4_1):  # element i: low nibble of byte i, element i + 16: its high nibble
-        codes = _tensor(_nibbles(b[..., at:]), n, k, torch.uint8)
-        return packing.pack_q4(codes, d, m)
     high = _bits(b[..., at : at + 4], 8).transpose(0, 1, 3, 2).reshape(n, -1, 32)  # bit i of the LE word: element i
     q = _nibbles(b[..., at + 4 :]).reshape(n, -1, 32) | (high << 4)  # 0..31
     if ggml_type == Q5_0:
@@ -116,11 +135,14 @@ def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     d, dmin = _halves(b[..., 0:2]), _halves(b[..., 2:4])
     sc, m = _k_scale_min(b[..., 4:16])
     qs = b[..., 16:144] if ggml_type == Q4_K else b[..., 48:176]
-    # sub-block 2j: low nibbles of the j-th 32 bytes; 2j + 1: their high nibbles
-    q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
     ks = packing.pack_kscales(d, dmin, _tensor(sc, n, k // 32, torch.uint8), _tensor(m, n, k // 32, torch.uint8), 8)
+    # sub-block (group) 2j: low nibbles of the j-th 32 bytes; 2j + 1: their high nibbles
     if ggml_type == Q4_K:
-        return packing.pack_k(WeightFormat.Q4, _tensor(q, n, k, torch.uint8), 32, ks, "q4_k")
+        qb = np.ascontiguousarray(qs).reshape(n, -1, 4, 8, 4)  # [n, supers, j, c, 4 bytes]
+        chunks = np.stack([_q4_chunks(qb, False), _q4_chunks(qb, True)], axis=3)  # [n, supers, j, 2, 8] uint16
+        data = packing.q4_tiles(torch.from_numpy(chunks.view(np.uint8).reshape(n, -1, 8, 2)), signed=False)
+        return packing.pack_k_tiled(WeightFormat.Q4, data, n, k, 32, ks, "q4_k")
+    q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
     q = q | (_bits(b[..., 16:48], 8) << 4)  # bit j of byte i: the fifth bit of sub-block j's element i
     return packing.pack_k(WeightFormat.Q8, _tensor(q.astype(np.int8), n, k, torch.int8), 32, ks, "q5_k")
 

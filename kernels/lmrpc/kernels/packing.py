@@ -249,12 +249,40 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
                         _group_tiles(scale, n_pad), None if offset is None else _group_tiles(offset, n_pad))
 
 
+def q4_tiles(chunks: torch.Tensor, signed: bool) -> torch.Tensor:
+    """_q4_data's layout from each group's bytes as they will be stored: chunks [n, groups, 8, 2] uint8, byte (c, e)
+    of a group holding its codes 4c + e (low nibble) and 4c + 2 + e (high nibble). A GGUF Q4 block's bytes are
+    shuffled into these directly (gguf_blocks.py), without a byte per code in between."""
+    n, groups = chunks.shape[0], chunks.shape[1]
+    n_pad = _round_up(n, PAIR_TILES)
+    padded = chunks.new_full((n_pad, groups, 8, 2), 0x88 if signed else 0)  # padding rows decode to 0 (see _q4_data)
+    padded[:n] = chunks
+    # [pair, tile, o, group, c, e] -> [pair, group, tile, c, o, e]
+    return padded.view(n_pad // PAIR_TILES, 2, TILE, groups, 8, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def pack_q4_tiled(data: torch.Tensor, n: int, k: int, scale: torch.Tensor, offset: torch.Tensor | None,
+                  name: str | None = None) -> PackedWeight:
+    """pack_q4's weight from codes already in its layout (q4_tiles) and scales [n, groups] (float16 values)."""
+    n_pad = _round_up(n, PAIR_TILES)
+    return PackedWeight(WeightFormat.Q4, n, k, Q4_GROUP, offset is None, data, _group_tiles(scale, n_pad),
+                        None if offset is None else _group_tiles(offset, n_pad), name=name)
+
+
 def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales, name: str) -> PackedWeight:
     """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32) or Q8 (int8 codes)."""
     n, k = codes.shape
     if kscales.sc.shape[1] != _round_up(k, group) // group or k % (group * kscales.super_groups):
         raise ValueError("K-quant scales must cover whole super-blocks of the weight's groups")
     data = _q4_data(codes, False) if fmt == WeightFormat.Q4 else _q8_data(codes, group)
+    return pack_k_tiled(fmt, data, n, k, group, kscales, name)
+
+
+def pack_k_tiled(fmt: WeightFormat, data: torch.Tensor, n: int, k: int, group: int, kscales: KScales, name: str
+                 ) -> PackedWeight:
+    """pack_k's weight from codes already in the layout."""
+    if kscales.sc.shape[1] != _round_up(k, group) // group or k % (group * kscales.super_groups):
+        raise ValueError("K-quant scales must cover whole super-blocks of the weight's groups")
     return PackedWeight(fmt, n, k, group, False, data, None, None, kscales, name)
 
 
@@ -325,11 +353,20 @@ def stackable(parts: list[PackedWeight]) -> bool:
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
-    """Stack weights of one format along n (fused qkv and gate_up), re-packed from their codes.
+    """Stack weights of one format along n (fused qkv and gate_up).
 
-    Works on the logical rows, so each part may have its own padding."""
+    Parts of whole tile pairs (all but the last) are joined tile for tile, as they are: the usual case (a model's
+    projection widths are multiples of 32), and at load the cheap one (no codes unpacked). Otherwise re-packed from
+    the logical rows, so each part may have its own padding; both give the same weight."""
     if not stackable(parts):
         raise ValueError("only weights of one format and width can be stacked")
+    if all(p.n % PAIR_TILES == 0 for p in parts[:-1]):
+        return concat_tiled_rows(parts)
+    return concat_repacked(parts)
+
+
+def concat_repacked(parts: list[PackedWeight]) -> PackedWeight:
+    """concat_rows by unpacking every part's codes and packing the stacked rows anew (any row counts)."""
     first = parts[0]
     if not first.quantized:
         return pack_dense(torch.cat([_dense_values(p) for p in parts]))

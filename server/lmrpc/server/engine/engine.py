@@ -21,7 +21,6 @@ from lmrpc.server.engine import hidden_states, media_rows, outputs, routed_exper
 from lmrpc.server.engine.detokenizer import OutputProcessor
 from lmrpc.server.engine.executor import ForwardOutput, HiddenRows, ModelExecutor, PromptLogits
 from lmrpc.server.engine.grammar import GrammarBackend, GrammarMatcher, MaskFiller
-from lmrpc.server.engine.heap import HeapTrimmer
 from lmrpc.server.engine.kv_cache import KVCacheManager
 from lmrpc.server.engine.live import (
     Command,
@@ -47,6 +46,7 @@ from lmrpc.server.engine.types import (
     PositionLogprobs,
     TokenLogprob,
 )
+from lmrpc.server.heap import HeapTrimmer
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.logit_processors import ProcessorRegistry
 from lmrpc.server.lora.registry import LoraRegistry

@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
+from lmrpc.server.heap import trim_heap
 from lmrpc.server.media.types import MultimodalProcessor
 from lmrpc.server.models import CausalLM, load_registry
 from lmrpc.server.models.gguf_file import GGUFFile
@@ -228,6 +229,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
                 convert_gguf(gguf, weights_dir)
         model = HFCausalLM.from_pretrained(weights_dir, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    trim_heap()  # the loading temporaries' freed heap back to the OS before the KV pool is allocated
     text_config = hf_config.get_text_config()  # a multimodal config's language-model part; else the config itself
     source = config.path or str(default_gguf())
     info = ModelInfo(

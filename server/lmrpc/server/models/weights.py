@@ -5,7 +5,7 @@ Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices are handed over as their own inte
 (`PackedWeight`, kernels/gguf_blocks.py; never dequantized), so they are served with exactly the file's weights;
 other tensors are dequantized to float32 with the gguf package.
 llama.cpp stores the rows of Llama's q and k projections interleaved for its RoPE; they are put back in Hugging
-Face's order here (a row permutation, on the codes as much as on dense values).
+Face's order here (a row permutation: of the blocks' bytes before packing, or of dense values).
 """
 
 from __future__ import annotations
@@ -126,10 +126,13 @@ class GGUFWeights:
         n, k = int(t.shape[1]), int(t.shape[0])
         if int(t.tensor_type) not in gguf_blocks.SUPPORTED or k % gguf_blocks.BLOCK[int(t.tensor_type)][0]:
             return self.tensor(name)
-        packed = gguf_blocks.pack_gguf(int(t.tensor_type), np.asarray(t.data), n, k)
-        self._file.release(t)
+        raw = np.asarray(t.data).reshape(n, -1)  # [n, row bytes]: a row's blocks are one run of bytes
         order = self._row_order(name, n)
-        return packed if order is None else packing.permute_rows(packed, order)
+        if order is not None:  # rows put in HF's order before packing (a copy of the permuted rows' bytes)
+            raw = raw[order.numpy()]
+        packed = gguf_blocks.pack_gguf(int(t.tensor_type), raw, n, k)
+        self._file.release(t)
+        return packed
 
     def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
         """HF row r of a permuted q/k projection is GGUF row order[r] (see the module doc)."""

@@ -4,8 +4,10 @@ glibc's malloc keeps freed memory in its arenas for reuse: after a burst (hundre
 large grammar's matchers, a 20 MB request decoded on a gRPC thread) the process stays at that high-water mark,
 and its RSS says more about the largest burst so far than about what it holds. `malloc_trim(0)` gives the free
 pages of every arena back. The engine calls `idle()` on each tick it waits with nothing to do, and `busy()` when it
-works; a trim runs once per idle period, so it never sits between two steps. Where the C library has no
-malloc_trim (musl, macOS), this does nothing.
+works; a trim runs once per idle period, so it never sits between two steps. Loading a model is such a burst too
+(a GGUF's blocks are shuffled into the kernels' layout through megabytes of temporaries per tensor, 0.6 GB left in the
+arenas for a 1.7B model): the loader calls `trim_heap()` once it is done, before the KV pool is allocated. Where the
+C library has no malloc_trim (musl, macOS), this does nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ def _malloc_trim() -> Callable[[], int] | None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: int(trim(0))
+
+
+def trim_heap() -> bool:
+    """One trim now; whether the C library has malloc_trim."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim()
+    return trim is not None
 
 
 class HeapTrimmer:
