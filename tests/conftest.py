@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_llama import save_tiny_llama
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -35,16 +34,8 @@ def smollm2_tokenizer() -> PreTrainedTokenizerBase:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
     """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer, saved as an HF directory."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2, architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer, hidden=64, intermediate=128,
+                           heads=4, kv_heads=2)
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from tiny_llama import save_tiny_llama
+from transformers import PreTrainedTokenizerBase
 
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
+from lmrpc.server.engine.cuda_graphs import CudaGraphRunner
 from lmrpc.server.engine.types import EngineRequest, SamplingParams
 
 try:
@@ -32,16 +34,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def llama_head_64(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
     """2 random layers, 8 query heads over 2 KV heads of 64 (a real model's head size; tiny_llama_dir's is 16)."""
-    path = tmp_path_factory.mktemp("llama-head-64")
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2, architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("llama-head-64"), smollm2_tokenizer, hidden=512, intermediate=1024,
+                           heads=8, kv_heads=2)
 
 
 def start(model: Path, graphs: int) -> AsyncEngine:
@@ -61,21 +55,21 @@ async def greedy(engine: AsyncEngine, prompts: list[list[int]]) -> dict[str, lis
     return out
 
 
+def served(model: Path, graphs: int, prompts: list[list[int]]) -> tuple[CudaGraphRunner | None, dict[str, list[int]]]:
+    """An engine's graph runner (None: no graphs) and its greedy tokens for these prompts."""
+    engine = start(model, graphs)
+    try:
+        return engine.engine.executor.graphs, asyncio.run(greedy(engine, prompts))
+    finally:
+        engine.shutdown()
+
+
 def test_graph_replays_match_eager_decoding(llama_head_64: Path) -> None:
     prompts = [list(range(100 + 9 * i, 140 + 11 * i)) for i in range(5)]  # 5 decodes: padded to the bucket of 8
-    eager = start(llama_head_64, graphs=0)
-    try:
-        assert eager.engine.executor.graphs is None
-        expected = asyncio.run(greedy(eager, prompts))
-    finally:
-        eager.shutdown()
-    graphed = start(llama_head_64, graphs=16)
-    try:
-        runner = graphed.engine.executor.graphs
-        assert runner is not None and runner.buckets == (1, 2, 4, 8, 16)
-        got = asyncio.run(greedy(graphed, prompts))
-    finally:
-        graphed.shutdown()
+    none, expected = served(llama_head_64, 0, prompts)
+    assert none is None
+    runner, got = served(llama_head_64, 16, prompts)
+    assert runner is not None and runner.buckets == (1, 2, 4, 8, 16)
     # cuBLAS may pick other kernels for the padded batch: near-tie tokens could differ, so most must agree
     agree = sum(a == b for r in expected for a, b in zip(expected[r], got[r], strict=True))
     assert agree >= 0.9 * sum(len(v) for v in expected.values())
@@ -83,11 +77,6 @@ def test_graph_replays_match_eager_decoding(llama_head_64: Path) -> None:
 
 def test_a_head_size_flashinfer_lacks_runs_without_graphs(tiny_llama_dir: Path) -> None:
     """flashinfer has no kernels for a head_dim of 16: every step used to fail inside them ("Unsupported head_dim")."""
-    prompts = [list(range(100 + 9 * i, 140 + 11 * i)) for i in range(3)]
-    engine = start(tiny_llama_dir, graphs=16)
-    try:
-        assert engine.engine.executor.graphs is None
-        got = asyncio.run(greedy(engine, prompts))
-    finally:
-        engine.shutdown()
+    runner, got = served(tiny_llama_dir, 16, [list(range(100 + 9 * i, 140 + 11 * i)) for i in range(3)])
+    assert runner is None
     assert [len(v) for v in got.values()] == [24, 24, 24]

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from tiny_llama import save_tiny_llama
+from transformers import PreTrainedTokenizerBase
 
 from lmrpc.kernels import native
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -42,16 +42,8 @@ TOP = 5  # logprob alternatives compared at every position
 def geometry_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: PreTrainedTokenizerBase) -> Path:
     """A 2-layer random Llama with SmolLM2's head geometry and vocabulary (random weights: near-tied logits, so any
     numeric difference between routes shows in the tokens)."""
-    path = tmp_path_factory.mktemp("geometry-llama")
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=192, intermediate_size=512, num_hidden_layers=2, num_attention_heads=3,
-        num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2, architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("geometry-llama"), smollm2_tokenizer, hidden=192,
+                           intermediate=512, heads=3, kv_heads=1, max_positions=2048)
 
 
 @dataclass(frozen=True)
