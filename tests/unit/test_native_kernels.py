@@ -182,6 +182,27 @@ def test_gguf_blocks_are_repacked_code_for_code() -> None:
     assert torch.equal(packing.dequantize(p8), q8.float() * d.repeat_interleave(32, 1))
 
 
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (70, 72), (33, 1000)])
+def test_int4_quantization_in_row_blocks_is_pack_q4_of_its_codes(monkeypatch: pytest.MonkeyPatch, n: int, k: int
+                                                                 ) -> None:
+    """quantize_int4 in blocks of QUANT_ROWS rows, straight into the layout: the weight pack_q4 makes of the codes
+    computed the plain way over the whole matrix (padding inputs included in each group's range, as zeros)."""
+    monkeypatch.setattr(packing, "QUANT_ROWS", 16)
+    w = weight(n, k, seed=n)
+    k_pad = -(-k // 32) * 32
+    groups = torch.cat([w, torch.zeros(n, k_pad - k)], dim=1).view(n, k_pad // 32, 32)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    lo, scale = lo.half().float(), ((hi - lo) / 15.0).clamp(min=packing.MIN_SCALE).half().float()
+    codes = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    plain = packing.pack_q4(codes.view(n, k_pad)[:, :k], scale, lo)
+    fast = packing.quantize_int4(w)
+    for name in ("n", "k", "group", "q4_signed"):
+        assert getattr(fast, name) == getattr(plain, name)
+    assert fast.offset is not None and plain.offset is not None and fast.scale is not None and plain.scale is not None
+    assert torch.equal(fast.data, plain.data) and torch.equal(fast.scale, plain.scale)
+    assert torch.equal(fast.offset, plain.offset)
+
+
 def test_stacking_and_row_permutation_keep_the_codes() -> None:
     parts = [packing.quantize_int4(weight(n, 64, seed)) for seed, n in enumerate((40, 24, 24))]
     stacked = packing.concat_rows(parts)
