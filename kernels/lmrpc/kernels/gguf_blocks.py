@@ -39,7 +39,7 @@ SUPPORTED = frozenset(BLOCK)
 
 def _halves(raw: np.ndarray) -> torch.Tensor:
     """[..., 2] uint8 little-endian fp16 -> float32 [...] (exact)."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+    return _fp16(raw).float()
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:

@@ -206,18 +206,33 @@ def _q8_data(codes: torch.Tensor, group: int) -> torch.Tensor:
     return _tiles(_pad(codes.to(torch.int8), _round_up(n, PAIR_TILES), _round_up(k, group)))
 
 
+def _code_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [rows, k_pad] (0..15) -> q4_tiles' bytes [rows, groups, 8, 2]: byte (c, e) of a group holds its codes
+    4c + e (low nibble) and 4c + 2 + e (high nibble)."""
+    q = codes.view(codes.shape[0], -1, 8, 2, 2)  # [rows, groups, c, code 4c + e or 4c + 2 + e, e]
+    return q[:, :, :, 0] | (q[:, :, :, 1] << 4)
+
+
+def q4_tiles(chunks: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The Q4 layout from each group's bytes as they will be stored (chunks [n, groups, 8, 2] uint8, as _code_pairs
+    makes them): per tile pair, group and tile, chunk c's 16 outputs x 2 bytes, so a chunk yields kpairs 2c and
+    2c + 1 in order (256 bytes a tile). A GGUF Q4 block's bytes are shuffled into these directly (gguf_blocks.py),
+    without a byte per code in between."""
+    n, groups = chunks.shape[0], chunks.shape[1]
+    n_pad = _round_up(n, PAIR_TILES)
+    padded = chunks.new_full((n_pad, groups, 8, 2), 0x88 if signed else 0)  # padding rows decode to 0
+    padded[:n] = chunks
+    # [pair, tile, o, group, c, e] -> [pair, group, tile, c, o, e]
+    return padded.view(n_pad // PAIR_TILES, 2, TILE, groups, 8, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
 def _q4_data(codes: torch.Tensor, signed: bool) -> torch.Tensor:
     n, k = codes.shape
-    n_pad, k_pad = _round_up(n, PAIR_TILES), _round_up(k, Q4_GROUP)
-    groups = k_pad // Q4_GROUP
-    padded = _pad(codes.to(torch.uint8), n_pad, k_pad)
+    # Padding inputs decode to 0 either way; 8 keeps Q4_0 groups at exactly zero.
+    padded = _pad(codes.to(torch.uint8), n, _round_up(k, Q4_GROUP))
     if signed:
-        padded[n:, :] = 8  # padding decodes to 0 either way; 8 keeps Q4_0 rows at exactly zero
-        padded[:n, k:] = 8
-    # [pair, tile, o, group, kpair j (16), e] -> [pair, group, tile, j, o, e]; per tile, chunk c's bytes hold kpair 2c
-    # (low nibble) and kpair 2c + 1 (high nibble) at byte 2 * o + e, so a chunk yields kpairs in order.
-    v = padded.view(n_pad // PAIR_TILES, 2, TILE, groups, Q4_GROUP // 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return (v[:, :, :, 0::2] | (v[:, :, :, 1::2] << 4)).contiguous()  # [pair, group, tile, 8, 16, 2]: 256 B a tile
+        padded[:, k:] = 8
+    return q4_tiles(_code_pairs(padded), signed)
 
 
 def _check_groups(name: str, t: torch.Tensor | None, n: int, groups: int) -> None:
@@ -244,21 +259,7 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
     groups = _round_up(k, Q4_GROUP) // Q4_GROUP
     _check_groups("scale", scale, n, groups)
     _check_groups("offset", offset, n, groups)
-    n_pad = _round_up(n, PAIR_TILES)
-    return PackedWeight(WeightFormat.Q4, n, k, Q4_GROUP, offset is None, _q4_data(codes, offset is None),
-                        _group_tiles(scale, n_pad), None if offset is None else _group_tiles(offset, n_pad))
-
-
-def q4_tiles(chunks: torch.Tensor, signed: bool) -> torch.Tensor:
-    """_q4_data's layout from each group's bytes as they will be stored: chunks [n, groups, 8, 2] uint8, byte (c, e)
-    of a group holding its codes 4c + e (low nibble) and 4c + 2 + e (high nibble). A GGUF Q4 block's bytes are
-    shuffled into these directly (gguf_blocks.py), without a byte per code in between."""
-    n, groups = chunks.shape[0], chunks.shape[1]
-    n_pad = _round_up(n, PAIR_TILES)
-    padded = chunks.new_full((n_pad, groups, 8, 2), 0x88 if signed else 0)  # padding rows decode to 0 (see _q4_data)
-    padded[:n] = chunks
-    # [pair, tile, o, group, c, e] -> [pair, group, tile, c, o, e]
-    return padded.view(n_pad // PAIR_TILES, 2, TILE, groups, 8, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    return pack_q4_tiled(_q4_data(codes, offset is None), n, k, scale, offset)
 
 
 def pack_q4_tiled(data: torch.Tensor, n: int, k: int, scale: torch.Tensor, offset: torch.Tensor | None,
@@ -272,8 +273,6 @@ def pack_q4_tiled(data: torch.Tensor, n: int, k: int, scale: torch.Tensor, offse
 def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales, name: str) -> PackedWeight:
     """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32) or Q8 (int8 codes)."""
     n, k = codes.shape
-    if kscales.sc.shape[1] != _round_up(k, group) // group or k % (group * kscales.super_groups):
-        raise ValueError("K-quant scales must cover whole super-blocks of the weight's groups")
     data = _q4_data(codes, False) if fmt == WeightFormat.Q4 else _q8_data(codes, group)
     return pack_k_tiled(fmt, data, n, k, group, kscales, name)
 
@@ -327,8 +326,7 @@ def quantize_int4(weight: torch.Tensor) -> PackedWeight:
         lo, step = lo.half().float(), _half((hi - lo) / 15.0)
         codes = (g - lo[..., None]).div_(step[..., None]).round_().clamp_(0, 15).to(torch.uint8)  # [rows, groups, 32]
         codes.view(rows, k_pad)[:, k:] = 0  # padding inputs hold code 0, as pack_q4 pads them
-        q = codes.view(rows, groups, 8, 2, 2)  # [rows, groups, c, code 4c + e or 4c + 2 + e, e]
-        chunks[r : r + rows] = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
+        chunks[r : r + rows] = _code_pairs(codes.view(rows, k_pad))
         scale[r : r + rows], offset[r : r + rows] = step, lo
     return pack_q4_tiled(q4_tiles(chunks, signed=False), n, k, scale, offset)
 

@@ -32,12 +32,11 @@ def _malloc_trim() -> Callable[[], int] | None:
     return lambda: int(trim(0))
 
 
-def trim_heap() -> bool:
-    """One trim now; whether the C library has malloc_trim."""
+def trim_heap() -> None:
+    """One trim now (nothing where the C library has no malloc_trim)."""
     trim = _malloc_trim()
     if trim is not None:
         trim()
-    return trim is not None
 
 
 class HeapTrimmer:
