@@ -1,4 +1,4 @@
-// Prototype, not product code (the product's kernel is `vnni_block` in kernels/lmrpc/kernels/csrc/linear_vnni.cpp, which
+// Prototype, not product code (the product's kernel is `vnni_block` in kernels/lmrpc/kernels/csrc/linear_int8.cpp, which
 // this measured first): many-row products over Q4_1 weights (group 32, a scale and an offset per group and
 // output), today's kernel scheme against AVX512-VNNI with int8 activations (llama.cpp's scheme for Q4_1).
 //

@@ -13,6 +13,9 @@ import numpy as np
 
 T = gguf.GGMLQuantizationType
 FORMATS = {"q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K, "q5_0": T.Q5_0, "q5_1": T.Q5_1}
+# The 4-bit formats that serve through the Q4 layout (the int8-activation products read only those).
+Q4_FORMATS = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K}
+_ALL = FORMATS | Q4_FORMATS
 ONE = np.array([1.0], dtype=np.float16).view(np.uint8)  # fp16 1.0 as two bytes
 
 
@@ -34,8 +37,8 @@ def _fp16(rng: np.random.Generator, shape: tuple[int, ...], low: float, high: fl
 def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     """uint8 [n, bytes of a row] of random blocks of this format."""
     rng = np.random.default_rng(seed)
-    qtype = FORMATS[fmt]
-    if qtype in (T.Q5_0, T.Q5_1):
+    qtype = _ALL[fmt]
+    if qtype in (T.Q5_0, T.Q5_1, T.Q4_0, T.Q4_1):
         return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
     size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
@@ -53,7 +56,7 @@ def _dequantize(blocks: np.ndarray, qtype: T, n: int) -> np.ndarray:
 
 def reference(fmt: str, raw: np.ndarray, n: int, k: int) -> Reference:
     """Codes, scales and offsets of these blocks, each read from gguf's dequantize of a probe copy."""
-    qtype = FORMATS[fmt]
+    qtype = _ALL[fmt]
     size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     b = raw.reshape(n, k // size, nbytes)
     values = _dequantize(b, qtype, n)
@@ -79,6 +82,15 @@ def reference(fmt: str, raw: np.ndarray, n: int, k: int) -> Reference:
         codes = probe((208, 210, ONE), (192, 208, 1))  # (q - 32) * 1 * 1
         scale = per_group(probe((0, 128, 0x11), (128, 192, 0xAA)), 16)  # q = 33: 1 * d * sc
         return Reference(values, codes, scale, None, 16)
+    if qtype == T.Q4_0:  # value (q - 8) * d
+        codes = probe((0, 2, ONE))
+        scale = per_group(probe((2, 18, 0x99)), 32)  # q = 9
+        return Reference(values, codes, scale, None, 32)
+    if qtype == T.Q4_1:  # value q * d + m
+        codes = probe((0, 2, ONE), (2, 4, 0))
+        scale = per_group(probe((2, 4, 0), (4, 20, 0x11)), 32)  # q = 1, m = 0
+        offset = per_group(probe((4, 20, 0)), 32)  # q = 0
+        return Reference(values, codes, scale, offset, 32)
     if qtype == T.Q5_0:  # value (q - 16) * d
         codes = probe((0, 2, ONE))
         scale = per_group(probe((2, 6, 0xFF), (6, 22, 0x11)), 32)  # q = 17
@@ -87,3 +99,17 @@ def reference(fmt: str, raw: np.ndarray, n: int, k: int) -> Reference:
     scale = per_group(probe((2, 4, 0), (4, 8, 0), (8, 24, 0x11)), 32)  # q = 1, m = 0
     offset = per_group(probe((4, 24, 0)), 32)  # q = 0
     return Reference(values, codes, scale, offset, 32)
+
+
+def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add, exact: a * b + c rounded once. The float64 sum of the exact product and c is
+    made round-to-odd (its error found by TwoSum), which a float32 rounding then rounds as the exact value."""
+    p = a.astype(np.float64) * b.astype(np.float64)  # exact: 24-bit significands
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    bits = s.view(np.int64).copy()
+    inexact_even = (err != 0) & (bits & 1 == 0)
+    bits += np.where(inexact_even, np.where((err > 0) == (s > 0), 1, -1), 0)
+    return bits.view(np.float64).astype(np.float32)

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_blocks_ref import FORMATS, Reference, random_blocks, reference
+from gguf_blocks_ref import FORMATS, Reference, fma, random_blocks, reference
 
 from lmrpc.kernels import gguf_blocks, native, packing
 from lmrpc.kernels.packing import Compute, PackedWeight
@@ -25,20 +25,6 @@ from lmrpc.kernels.packing import Compute, PackedWeight
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
 
 ROWS = [*range(1, 41), 48, 64, 97]
-
-
-def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """float32 fused multiply-add, exact: a * b + c rounded once. The float64 sum of the exact product and c is
-    made round-to-odd (its error found by TwoSum), which a float32 rounding then rounds as the exact value."""
-    p = a.astype(np.float64) * b.astype(np.float64)  # exact: 24-bit significands
-    c64 = c.astype(np.float64)
-    s = p + c64
-    bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)
-    bits = s.view(np.int64).copy()
-    inexact_even = (err != 0) & (bits & 1 == 0)
-    bits += np.where(inexact_even, np.where((err > 0) == (s > 0), 1, -1), 0)
-    return bits.view(np.float64).astype(np.float32)
 
 
 def reference_product(ref: Reference, x: np.ndarray, bf16: bool) -> np.ndarray:

@@ -54,8 +54,11 @@ class Result:
 
 def start(model: Path, dtype: str, quantization: str, *, kv_tokens: int = 16384, max_batched: int = 512,
           prefix_cache: bool = True) -> AsyncEngine:
+    """quantization: --quantization's value, "+int8-activations" appended for --int8-activations."""
+    quantization, _, extra = quantization.partition("+")
     return AsyncEngine.start(EngineConfig(
-        model=ModelConfig(path=str(model), dtype=dtype, device="cpu", quantization=quantization),
+        model=ModelConfig(path=str(model), dtype=dtype, device="cpu", quantization=quantization,
+                          int8_activations=extra == "int8-activations"),
         cache=CacheConfig(page_size=16, num_tokens=kv_tokens, enable_prefix_cache=prefix_cache),
         scheduler=SchedulerConfig(max_running_requests=64, max_batched_tokens=max_batched,
                                   max_prefill_chunk=max_batched),
@@ -179,6 +182,21 @@ COMBOS = [("float32", "none"), ("bfloat16", "none"), ("float32", "int4"), ("bflo
 @pytest.mark.parametrize(("dtype", "quantization"), COMBOS, ids=["-".join(c) for c in COMBOS])
 def test_every_route_gives_the_same_bits_tiny(geometry_llama_dir: Path, dtype: str, quantization: str) -> None:
     check_routes(geometry_llama_dir, dtype, quantization)
+
+
+def _int8_dtype() -> str | None:
+    """The model dtype whose int4 products take int8 activations in this build (VNNI: bfloat16, AVX2: float32)."""
+    if not native.available():
+        return None
+    lib = native.load()
+    return "bfloat16" if lib.native_vnni() else "float32" if lib.native_avx2() else None
+
+
+@pytest.mark.skipif(_int8_dtype() is None, reason="no int8-activation products in this build")
+def test_every_route_gives_the_same_bits_with_int8_activations(geometry_llama_dir: Path) -> None:
+    dtype = _int8_dtype()
+    assert dtype is not None
+    check_routes(geometry_llama_dir, dtype, "int4+int8-activations")
 
 
 @pytest.mark.slow

@@ -61,12 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "every product. int4 weights keep no copy (their products expand the 4-bit codes in "
                         "registers). Outputs are the same either way")
     p.add_argument("--int8-activations", action="store_true",
-                   help="int4 weights, bfloat16 model, CPUs with AVX512-VNNI: products take int8 activations (each "
-                        "row's inputs quantized per group of 32, one scale, summed exactly against the 4-bit codes; "
-                        "the MLP's down projection keeps bfloat16): products ~1.6x faster at any batch size, served "
-                        "throughput ~1.2x at 32 streams here, but less precise (relative error of a product ~5e-3 "
-                        "against ~2e-3): the bundled 135M model's greedy answer to 'What is the capital of France?' "
-                        "no longer names Paris. Outputs stay independent of the batch")
+                   help="4-bit weights (int4, Q4_0/Q4_1/Q4_K blocks): products take int8 activations (each row's "
+                        "inputs quantized per group of 32, one scale, summed exactly against the 4-bit codes; the "
+                        "MLP's down projection keeps its float inputs), with bfloat16 compute on CPUs with "
+                        "AVX512-VNNI or float32 compute on AVX2 CPUs: products 1.4-2x faster at any batch size, "
+                        "but less precise: the bundled 135M model's greedy answer to 'What is the capital of "
+                        "France?' no longer names Paris. Outputs stay independent of the batch")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="CUDA: decode steps of up to this many sequences replay CUDA graphs captured at start "

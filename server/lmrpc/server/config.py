@@ -34,9 +34,10 @@ class ModelConfig:
     # than two rows read those instead of expanding the codes on every call (int4 weights expand theirs in
     # registers, which is faster than reading such a copy). The same results either way.
     expand_codes: bool = True
-    # int4 weights with bfloat16 compute on CPUs with AVX512-VNNI: activations enter the products as int8 (per row and
-    # group of 32 inputs, one scale), each group summed exactly in integers: ~1.6x faster products, every row count
-    # alike (route-invariant), but less precise (off by default: SmolLM2-135M's greedy chat answers degrade).
+    # 4-bit weights, with bfloat16 compute on CPUs with AVX512-VNNI or float32 compute on AVX2 CPUs: activations
+    # enter the products as int8 (per row and group of 32 inputs, one scale), each group summed exactly in integers:
+    # 1.4-2x faster products, every row count alike (route-invariant), but less precise (off by default:
+    # SmolLM2-135M's greedy chat answers degrade).
     int8_activations: bool = False
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@
 // number of rows.
 //
 // This file: the inputs (prologues, rounding) and the public functions; linear_products.cpp: the products and the
-// work split; linear_kernels.h: the micro-kernels; linear_vnni.cpp: int8 activations; linear_impl.h: the rest.
+// work split; linear_kernels.h: the micro-kernels; linear_int8.cpp: int8 activations; linear_impl.h: the rest.
 #include "linear.h"
 
 #include <algorithm>
@@ -66,18 +66,55 @@ void prologue_row(const LinearArgs& a, int64_t i, int64_t k, float* out) {
   }
 }
 
-// Whether a product takes int8 activations: Q4 weights with VNNI codes, except after SILU_MUL, whose inputs (the
+// Whether a product takes int8 activations: Q4 weights made for them (PackedWeight::int8), except after SILU_MUL, whose inputs (the
 // MLP's gated activations) have outliers that int8 with one scale per 32 rounds away (measured on SmolLM2 by
 // tests/unit/test_int4_quality.py: int8 there too gave top-1 agreement 310/320 and perplexity +1.1%; without,
 // 312/320 and -0.2%; bf16 everywhere 319/320). Fixed per weight and call site, never by the number of rows.
 inline bool int8_inputs(const PackedWeight& w, const LinearArgs& a) {
-  return w.vnni != nullptr && a.prologue != Prologue::SILU_MUL;
+  return w.int8 && a.prologue != Prologue::SILU_MUL;
 }
 
-// One row (float32, k_pad after its prologue) -> int8 codes, and per group d and d * sum(q).
+// One row (float32, k_pad after its prologue) -> int8 codes (kI8Width bytes per input), and per group d and
+// d * sum(q).
 void quantize_row(const float* row, int64_t kp, int8_t* q, float* d, float* dsum) {
   for (int64_t g = 0; g < kp / 32; ++g) {
     const float* x = row + 32 * g;
+#if LMRPC_AVX2
+    // The loop below, 8 at a time: max is exact in any order, the product and round-to-nearest-even are the same
+    // operations, the sum is of integers. So the same bits (a decode step quantizes a row per product).
+    {
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 m = _mm256_setzero_ps();
+      for (int j = 0; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, m);
+      float amax = 0.0f;
+      for (float v : lanes) amax = std::max(amax, v);
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      __m256i v[4];
+      __m256i total = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), _mm256_set1_ps(inv)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v[j] = _mm256_cvtps_epi32(r);
+        total = _mm256_add_epi32(total, v[j]);
+      }
+      // int32 -> int8 in order: packs interleave the 128-bit halves, the permute puts them back.
+      const __m256i w16 = _mm256_packs_epi32(v[0], v[1]), x16 = _mm256_packs_epi32(v[2], v[3]);
+      const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const __m256i lo = _mm256_unpacklo_epi16(b8, b8), hi = _mm256_unpackhi_epi16(b8, b8);  // pairs doubled
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * g), _mm256_permute2x128_si256(lo, hi, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * g + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+      alignas(32) int32_t sums[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), total);
+      int sum = 0;
+      for (int32_t s : sums) sum += s;
+      d[g] = amax / 127.0f;
+      dsum[g] = d[g] * static_cast<float>(sum);
+      continue;
+    }
+#endif
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
     const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -99,7 +136,7 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
   // Not zero-filled: every row is written whole below, its padding included (a serial memset of every row was 3%
   // of a prefill step).
   if (int8) {
-    in->i8.resize(a.m * kp);
+    in->i8.resize(a.m * kp * kI8Width);
     in->d.resize(a.m * groups);
     in->dsum.resize(a.m * groups);
   } else if (compute == Compute::BF16) {
@@ -125,7 +162,7 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
       std::fill(row + k, row + kp, 0.0f);
       prologue_row(a, i, k, row);
       if (int8) {
-        quantize_row(row, kp, in->i8.data() + i * kp, in->d.data() + i * groups, in->dsum.data() + i * groups);
+        quantize_row(row, kp, in->i8.data() + i * kp * kI8Width, in->d.data() + i * groups, in->dsum.data() + i * groups);
         continue;
       }
       if (compute == Compute::BF16) {

@@ -51,9 +51,12 @@ struct PackedWeight {
   // integers) in the BF16 layout, or null. Products over many rows read these instead of expanding the codes on
   // every call; the sums and their order are the same, so the results are too (2 bytes per weight more memory).
   const uint16_t* codes = nullptr;
-  // Q4 weights whose products take int8 activations (AVX512-VNNI, every row count): the codes once more, per tile
-  // pair and group 512 bytes: for quad q < 4, tile t, output o, byte e: the code of k = 4q + e in the low nibble
-  // and of k = 4(q + 4) + e in the high nibble (at (q * 2 + t) * 64 + 4 * o + e). Else null.
+  // Q4 weights whose products take int8 activations at every row count (but after SILU_MUL): with bfloat16
+  // compute on AVX512-VNNI (reading `vnni`), or float32 compute on AVX2 (reading the Q4 layout as it is).
+  bool int8 = false;
+  // For the VNNI products: the codes once more, per tile pair and group 512 bytes: for quad q < 4, tile t, output
+  // o, byte e: the code of k = 4q + e in the low nibble and of k = 4(q + 4) + e in the high nibble (at
+  // (q * 2 + t) * 64 + 4 * o + e). Else null.
   const uint8_t* vnni = nullptr;
 
   bool k_scaled() const { return ks.d != nullptr; }
@@ -111,6 +114,6 @@ void vnni_codes(const PackedWeight& w, uint8_t* out);
 
 bool native_bf16();  // compiled with AVX512-BF16 products
 bool native_avx2();  // compiled with AVX2 + FMA products (a CPU without AVX512-BF16)
-bool native_vnni();  // compiled with AVX512-VNNI products (Q4 weights with int8 activations)
+bool native_vnni();  // compiled with AVX512-VNNI products (Q4 weights with int8 activations, bfloat16 compute)
 
 }  // namespace lmrpc

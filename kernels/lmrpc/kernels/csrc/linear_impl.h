@@ -1,4 +1,4 @@
-// Internals of the row-invariant products shared by linear.cpp, linear_products.cpp and linear_vnni.cpp: the
+// Internals of the row-invariant products shared by linear.cpp, linear_products.cpp and linear_int8.cpp: the
 // inputs as the products read them, quantized codes expanded, where a tile pair's weights come from, the epilogue.
 #pragma once
 
@@ -13,14 +13,18 @@ namespace lmrpc::linear_detail {
 
 constexpr int kMaxRows = 6;  // rows per register block (at most)
 
+// Bytes of Inputs::i8 per input. AVX2 stores each pair of codes twice (q0 q1 q0 q1, q2 q3 q2 q3, ...): its products
+// broadcast one pair to every output, and a 32-bit broadcast from memory is a plain load where a 16-bit one is not.
+constexpr int64_t kI8Width = LMRPC_AVX2 ? 2 : 1;
+
 // The rows as the products read them: xq [m][k_pad] (uint16 bf16 or float), and group sums [m][groups] of the
 // values as rounded (only for weights with offsets).
 struct Inputs {
   AlignedBuffer<uint16_t> bf16;
   AlignedBuffer<float> f32;
   AlignedBuffer<float> sums;
-  // Q4 weights with int8 activations (PackedWeight::vnni): per row and group of 32, d = max |x| / 127 and
-  // q = round(x / d) in int8 [m][k_pad]; d [m][groups] and d * sum(q) [m][groups].
+  // Q4 weights with int8 activations (PackedWeight::int8): per row and group of 32, d = max |x| / 127 and
+  // q = round(x / d) in int8 [m][k_pad * kI8Width]; d [m][groups] and d * sum(q) [m][groups].
   AlignedBuffer<int8_t> i8;
   AlignedBuffer<float> d;
   AlignedBuffer<float> dsum;
@@ -367,8 +371,12 @@ inline void epilogue(const PackedWeight& w, const LinearArgs& a, int64_t row0, i
 }
 
 #if LMRPC_VNNI
-// Every row of tile pair p, in blocks of up to kMaxRows rows, with int8 activations (linear_vnni.cpp).
+// Every row of tile pair p, in blocks of up to kMaxRows rows, with int8 activations (linear_int8.cpp).
 void vnni_pair(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p);
+#endif
+#if LMRPC_AVX2
+// The same over the Q4 layout itself, AVX2, float32 compute (linear_int8.cpp).
+void int8_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p);
 #endif
 
 // The work items of every job, split between threads (linear_products.cpp, which instantiates it for uint16_t

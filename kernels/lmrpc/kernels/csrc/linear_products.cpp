@@ -288,6 +288,10 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
 #endif
 #if LMRPC_AVX2
   if constexpr (sizeof(T) == 4) {
+    if (in.int8) {
+      for (int q = 0; q < P; ++q) int8_pair_avx2(w, in, a, rr, p + q);
+      return;
+    }
     if (w.format == WeightFormat::Q4 && !one_block) {
       for (int q = 0; q < P; ++q) many_rows_q4_f32(w, in, a, rr, p + q);
       return;

@@ -15,7 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lmrpc's CPU kernels: row-invariant packed products, paged attention, RoPE with cache writes";
   m.def("native_bf16", &lmrpc::native_bf16, "whether products use AVX512-BF16 instructions");
   m.def("native_avx2", &lmrpc::native_avx2, "whether products use AVX2 + FMA registers (no AVX512-BF16 here)");
-  m.def("native_vnni", &lmrpc::native_vnni, "whether int4 products can take int8 activations (AVX512-VNNI)");
+  m.def("native_vnni", &lmrpc::native_vnni, "whether int4 products with bfloat16 compute can take int8 activations (AVX512-VNNI)");
   py::class_<PackedLinear, std::shared_ptr<PackedLinear>>(m, "PackedLinear")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, bool, at::Tensor, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, std::optional<at::Tensor>, bool, bool, std::optional<at::Tensor>,
@@ -32,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("rows", &PackedLinear::rows, py::arg("ids"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("n", &PackedLinear::n)
       .def_property_readonly("k", &PackedLinear::k)
+      .def_property_readonly("int8_activations", &PackedLinear::int8_activations)
       .def_property_readonly("nbytes", &PackedLinear::nbytes);
   py::class_<StackLayer>(m, "StackLayer")
       .def(py::init([](std::shared_ptr<PackedLinear> qkv, std::shared_ptr<PackedLinear> o,

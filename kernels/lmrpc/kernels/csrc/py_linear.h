@@ -94,12 +94,17 @@ class PackedLinear {
                             km_.has_value() ? static_cast<const uint8_t*>(km_->data_ptr()) : nullptr, super_groups,
                             sc_signed};
     }
-    // (K-scaled weights keep bf16 activations: the int8 path folds fp16 scales.)
-    if (int8_activations && fmt == lmrpc::WeightFormat::Q4 && !k_scaled && compute_ == lmrpc::Compute::BF16 &&
-        lmrpc::native_vnni()) {
-      vnni_ = at::empty({n_pad * k_pad / 2}, data_.options().dtype(at::kByte));
-      lmrpc::vnni_codes(w_, vnni_->data_ptr<uint8_t>());
-      w_.vnni = vnni_->data_ptr<uint8_t>();
+    // Int8 activations: bfloat16 compute on AVX512-VNNI, with the codes once more in their layout (not for K scales:
+    // that path folds fp16 scales); float32 compute on AVX2, over the Q4 layout as it is (K scales too).
+    if (int8_activations && fmt == lmrpc::WeightFormat::Q4) {
+      if (!k_scaled && compute_ == lmrpc::Compute::BF16 && lmrpc::native_vnni()) {
+        vnni_ = at::empty({n_pad * k_pad / 2}, data_.options().dtype(at::kByte));
+        lmrpc::vnni_codes(w_, vnni_->data_ptr<uint8_t>());
+        w_.vnni = vnni_->data_ptr<uint8_t>();
+        w_.int8 = true;
+      } else if (compute_ == lmrpc::Compute::F32 && lmrpc::native_avx2()) {
+        w_.int8 = true;
+      }
     }
     // Q8 products of many rows read these; Q4 ones expand their 4-bit codes in registers (block_q4), which is faster.
     if (expand_codes && fmt == lmrpc::WeightFormat::Q8 && compute_ == lmrpc::Compute::BF16 && lmrpc::native_bf16()) {
@@ -184,6 +189,7 @@ class PackedLinear {
 
   int64_t n() const { return w_.n; }
   int64_t k() const { return w_.k; }
+  bool int8_activations() const { return w_.int8; }
   int64_t nbytes() const {
     int64_t total = data_.nbytes();
     for (const auto* t : {&scale_, &offset_, &bias_, &codes_, &vnni_, &kd_, &kdmin_, &ksc_, &km_}) {

@@ -101,7 +101,7 @@ class LinearBuilder:
     device: torch.device
     native: bool  # the native CPU kernels serve (else torch's DenseLinear)
     expand_codes: bool = True  # int8 weights: keep the codes expanded to bfloat16 too (ModelConfig.expand_codes)
-    int8_activations: bool = False  # int4 with bfloat16 compute: int8 activations where the CPU has VNNI
+    int8_activations: bool = False  # 4-bit weights: int8 activations where the build has them (VNNI or AVX2)
     # where packed weights live: huge pages (one arena per model; kernels/hugepages.py)
     arena: hugepages.Arena = field(default_factory=hugepages.Arena)
 
