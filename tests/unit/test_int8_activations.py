@@ -7,6 +7,8 @@ are split between threads. Products after SILU_MUL (the MLP's down projection) k
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,9 @@ from gguf_blocks_ref import Q4_FORMATS, Reference, fma, random_blocks, reference
 
 from lmrpc.kernels import gguf_blocks, native, packing
 from lmrpc.kernels.packing import Compute, PackedWeight
+from lmrpc.server.config import ModelConfig
+from lmrpc.server.models.loader import load_model
+from lmrpc.server.models.quantized import NativeLinear
 
 
 def _int8_compute() -> Compute | None:
@@ -124,3 +129,19 @@ def test_only_q4_weights_in_the_builds_compute_take_them() -> None:
     other = Compute.F32 if COMPUTE == Compute.BF16 else Compute.BF16
     if other == Compute.F32 or native.load().native_bf16():
         assert not kernel(packing.quantize_int4(w), int8=True, compute=other).int8_activations
+
+
+def test_the_loader_says_which_weights_take_them(tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny_llama_dir
+    dtype = "bfloat16" if COMPUTE == Compute.BF16 else "float32"
+    with caplog.at_level(logging.INFO, logger="lmrpc.server.models.quantized"):
+        loaded = load_model(ModelConfig(path=str(model), dtype=dtype, quantization="int4", int8_activations=True))
+    linears = loaded.model.linear_layers()  # type: ignore[attr-defined]
+    took = [isinstance(lin, NativeLinear) and lin.int8_activations for lin in linears]
+    assert took == [False] + [True] * 8  # the int8 output head does not; every int4 layer product does
+    assert "8 of 9 weights take int8 activations" in caplog.text
+    # Without 4-bit weights nothing can: a warning says so.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lmrpc.server.models.quantized"):
+        load_model(ModelConfig(path=str(model), dtype=dtype, quantization="int8", int8_activations=True))
+    assert "no product takes them here" in caplog.text

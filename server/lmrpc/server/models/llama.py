@@ -206,12 +206,16 @@ class LlamaForCausalLM:
             o=builder.build(w.matrix(p + "self_attn.o_proj.weight")),
         )
 
-    def weight_formats(self) -> tuple[str, ...]:
-        """The storage formats among the linear layers (sorted), e.g. ("q4_1", "q8_0")."""
+    def linear_layers(self) -> list[LinearLayer]:
+        """Every product: the output head, then each layer's."""
         linears: list[LinearLayer] = [self.lm_head]
         for layer in self.layers:
             linears += layer.linears()
-        return tuple(sorted({_format_of(lin, self.dtype) for lin in linears}))
+        return linears
+
+    def weight_formats(self) -> tuple[str, ...]:
+        """The storage formats among the linear layers (sorted), e.g. ("q4_1", "q8_0")."""
+        return tuple(sorted({_format_of(lin, self.dtype) for lin in self.linear_layers()}))
 
     @property
     def kv_bytes_per_token(self) -> int:

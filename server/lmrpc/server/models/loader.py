@@ -30,7 +30,7 @@ from lmrpc.server.models import CausalLM, load_registry
 from lmrpc.server.models.gguf_file import GGUFFile
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import resolve_dtype
-from lmrpc.server.models.quantized import LinearBuilder, Quantization, quantization_name
+from lmrpc.server.models.quantized import LinearBuilder, Quantization, quantization_name, report_int8_activations
 from lmrpc.server.models.types import ExpertsInfo, ModelInfo
 from lmrpc.server.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
 
@@ -213,6 +213,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         built = registry[arch](hf_config, weights, builder)
         model = cast(CausalLM, built)
         formats = built.weight_formats()
+        if config.int8_activations:
+            report_int8_activations(built.linear_layers())
         experts = built.experts_info() if hasattr(built, "experts_info") else None
         if hasattr(built, "make_processor"):  # models.multimodal: takes images or audio
             processor = cast(MultimodalProcessor, built.make_processor(path))

@@ -17,6 +17,7 @@ Activations enter products rounded to bfloat16 when the model dtype is bfloat16,
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,6 +26,8 @@ from lmrpc.kernels import hugepages, native, packing
 from lmrpc.kernels.packing import Compute, PackedWeight, WeightFormat
 from lmrpc.server.models.linear import DenseLinear, LinearLayer
 from lmrpc.server.models.weights import Matrix
+
+logger = logging.getLogger(__name__)
 
 
 class Quantization(enum.Enum):
@@ -77,6 +80,25 @@ class NativeLinear:
     def op(self) -> object:
         """The kernel object (the native decoder stack holds it too)."""
         return self._op
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether its products take int8 activations (asked for, and this build has them for its format)."""
+        return bool(self._op.int8_activations)
+
+
+def report_int8_activations(linears: list[LinearLayer]) -> tuple[int, int]:
+    """--int8-activations: how many weights are set up for them (logged; a warning when none can), of how many.
+    (A weight set up for them still takes float inputs where its prologue is SiLU-gating: the down projection.)"""
+    took = sum(1 for lin in linears if isinstance(lin, NativeLinear) and lin.int8_activations)
+    if took == 0:
+        logger.warning("--int8-activations: no product takes them here: they need 4-bit weights (int4, Q4_0/Q4_1; "
+                       "Q4_K on AVX2) with bfloat16 compute on a CPU with AVX512-VNNI or float32 compute on an "
+                       "AVX2 CPU, and the native kernels")
+    else:
+        logger.info("--int8-activations: %d of %d weights take int8 activations (the MLP's down projections keep "
+                    "float inputs)", took, len(linears))
+    return took, len(linears)
 
 
 def _placed(arena: hugepages.Arena, t: torch.Tensor | None) -> torch.Tensor | None:
