@@ -41,8 +41,9 @@ def kernel(p: PackedWeight, int8: bool, compute: Compute | None = None) -> Any:
     ks = p.kscales
     extra = {} if ks is None else {"kd": ks.d, "kdmin": ks.dmin, "ksc": ks.sc, "km": ks.m,
                                    "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8}
-    return native.load().PackedLinear(int(p.format), int(compute or COMPUTE), p.n, p.k, p.group, p.q4_signed, p.data,
-                                      p.scale, p.offset, None, int8_activations=int8, **extra)
+    kind = COMPUTE if compute is None else compute  # (not `compute or COMPUTE`: Compute.F32 is 0)
+    return native.load().PackedLinear(int(p.format), int(kind), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
+                                      p.offset, None, int8_activations=int8, **extra)
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -135,7 +136,8 @@ def test_the_loader_says_which_weights_take_them(tiny_llama_dir: Path, caplog: p
     model = tiny_llama_dir
     dtype = "bfloat16" if COMPUTE == Compute.BF16 else "float32"
     with caplog.at_level(logging.INFO, logger="lmrpc.server.models.quantized"):
-        loaded = load_model(ModelConfig(path=str(model), dtype=dtype, quantization="int4", int8_activations=True))
+        loaded = load_model(ModelConfig(path=str(model), dtype=dtype, device="cpu", quantization="int4",
+                                            int8_activations=True))
     linears = loaded.model.linear_layers()  # type: ignore[attr-defined]
     took = [isinstance(lin, NativeLinear) and lin.int8_activations for lin in linears]
     assert took == [False] + [True] * 8  # the int8 output head does not; every int4 layer product does
@@ -143,5 +145,6 @@ def test_the_loader_says_which_weights_take_them(tiny_llama_dir: Path, caplog: p
     # Without 4-bit weights nothing can: a warning says so.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="lmrpc.server.models.quantized"):
-        load_model(ModelConfig(path=str(model), dtype=dtype, quantization="int8", int8_activations=True))
+        load_model(ModelConfig(path=str(model), dtype=dtype, device="cpu", quantization="int8",
+                               int8_activations=True))
     assert "no product takes them here" in caplog.text

@@ -50,11 +50,10 @@ void vnni_block(const PackedWeight& w, int64_t p, const int8_t* const* x, const 
         acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], b1, xh);
       }
     }
-    const int64_t si = (p * groups + g) * 32;
+    const GroupWeights gw = group_weights(w, p, groups, g, nullptr);  // fp16 scales, or K scales (exact)
     for (int t = 0; t < 2; ++t) {
-      const __m512 s = load_halfx16(w.scale + si + 16 * t);
-      const __m512 o = w.offset != nullptr ? load_halfx16(w.offset + si + 16 * t)
-                                           : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+      const __m512 s = scale_x16(gw, t);
+      const __m512 o = gw.has_offset() ? offset_x16(gw, t) : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
       for (int r = 0; r < R; ++r) {
         const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_set1_ps(d[r][g]));
         Y[r][t] = _mm512_fmadd_ps(a, s, Y[r][t]);

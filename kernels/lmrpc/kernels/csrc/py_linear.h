@@ -94,10 +94,10 @@ class PackedLinear {
                             km_.has_value() ? static_cast<const uint8_t*>(km_->data_ptr()) : nullptr, super_groups,
                             sc_signed};
     }
-    // Int8 activations: bfloat16 compute on AVX512-VNNI, with the codes once more in their layout (not for K scales:
-    // that path folds fp16 scales); float32 compute on AVX2, over the Q4 layout as it is (K scales too).
+    // Int8 activations: bfloat16 compute on AVX512-VNNI, with the codes once more in their layout; float32 compute
+    // on AVX2, over the Q4 layout as it is.
     if (int8_activations && fmt == lmrpc::WeightFormat::Q4) {
-      if (!k_scaled && compute_ == lmrpc::Compute::BF16 && lmrpc::native_vnni()) {
+      if (compute_ == lmrpc::Compute::BF16 && lmrpc::native_vnni()) {
         vnni_ = at::empty({n_pad * k_pad / 2}, data_.options().dtype(at::kByte));
         lmrpc::vnni_codes(w_, vnni_->data_ptr<uint8_t>());
         w_.vnni = vnni_->data_ptr<uint8_t>();

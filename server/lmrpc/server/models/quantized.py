@@ -92,8 +92,8 @@ def report_int8_activations(linears: list[LinearLayer]) -> tuple[int, int]:
     (A weight set up for them still takes float inputs where its prologue is SiLU-gating: the down projection.)"""
     took = sum(1 for lin in linears if isinstance(lin, NativeLinear) and lin.int8_activations)
     if took == 0:
-        logger.warning("--int8-activations: no product takes them here: they need 4-bit weights (int4, Q4_0/Q4_1; "
-                       "Q4_K on AVX2) with bfloat16 compute on a CPU with AVX512-VNNI or float32 compute on an "
+        logger.warning("--int8-activations: no product takes them here: they need 4-bit weights (int4, Q4_0/Q4_1/"
+                       "Q4_K) with bfloat16 compute on a CPU with AVX512-VNNI or float32 compute on an "
                        "AVX2 CPU, and the native kernels")
     else:
         logger.info("--int8-activations: %d of %d weights take int8 activations (the MLP's down projections keep "
