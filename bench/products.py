@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmrpc.kernels import gguf_blocks, native, packing
+from lmrpc.kernels import gguf_blocks, native, quantize
 from lmrpc.kernels.packing import Compute, PackedWeight
 
 SHAPES = {"qkv": (6144, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
@@ -30,7 +30,7 @@ SHAPES = {"qkv": (6144, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 
 def packed(fmt: str, n: int, k: int) -> PackedWeight:
     if fmt == "int4":
-        return packing.quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.02)
+        return quantize.quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.02)
     rng = np.random.default_rng(n + k)  # Q4_K: random bytes, small positive fp16 d and dmin
     b = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
     b[..., 0:4] = np.full((n, k // 256, 2), 1e-3, dtype=np.float16).view(np.uint8)

@@ -143,11 +143,32 @@ def test_4_bit_blocks_go_straight_into_the_layout_pack_q4_makes_of_their_codes(g
 
 
 def test_bits_per_weight_stay_near_the_files() -> None:
-    # Q4_K, the bulk of a Q4_K_M file, keeps 4-bit codes and its scales as stored: 4.625 bits a weight (file 4.5).
+    # Q4_K, the bulk of a Q4_K_M file, keeps 4-bit codes and its scales as stored: 4.625 bits a weight (file 4.5);
+    # the 5- and 6-bit formats take 6-bit codes (Q6) and their scales as stored (Q6_K: the file's 6.5625).
     n, k = 64, 1024
-    for fmt, most in {"q4_k": 4.625, "q6_k": 8.6, "q5_k": 8.7, "q5_0": 8.5, "q5_1": 9.0}.items():
+    for fmt, most in {"q4_k": 4.625, "q6_k": 6.5625, "q5_k": 6.625, "q5_0": 6.5, "q5_1": 7.0}.items():
         p, _ = load(fmt, n, k)
         assert p.nbytes * 8 / (n * k) <= most, fmt
+        assert p.format == (packing.WeightFormat.Q4 if fmt == "q4_k" else packing.WeightFormat.Q6), fmt
+
+
+def test_the_6_bit_layout_holds_every_code_and_refuses_wider_ones() -> None:
+    # Every code -32..31 at every position of a few units survives the 6-bit layout; the kernels read the same
+    # values from it as from the 8-bit layout (products of one and many rows, bit for bit)
+    codes = torch.arange(64 * 256, dtype=torch.int64).remainder(64).sub(32).view(64, 256)
+    codes = codes[torch.randperm(64, generator=torch.Generator().manual_seed(0))].to(torch.int8)
+    scale = torch.rand(64, 256 // 32, generator=torch.Generator().manual_seed(1)) + 0.5
+    q8 = packing.pack_q8(codes, scale, 32)
+    q6 = packing.to_q6(q8)
+    assert q6.data.numel() * 8 == 6 * q8.data.numel()
+    assert torch.equal(packing.codes_of(q6), codes)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
+    for m in (1, 2, 9):
+        assert torch.equal(kernel(q6, Compute.F32).forward(x[:m]), kernel(q8, Compute.F32).forward(x[:m])), m
+    ids = torch.tensor([0, 31, 63])
+    assert torch.equal(kernel(q6, Compute.F32).rows(ids), kernel(q8, Compute.F32).rows(ids))
+    with pytest.raises(ValueError, match=r"-32\.\.31"):
+        packing.to_q6(packing.pack_q8(codes.clamp(-32, 31).index_fill(1, torch.tensor([5]), 32), scale, 32))
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmrpc.kernels import hugepages, native, packing
+from lmrpc.kernels import hugepages, native, packing, quantize
 from lmrpc.kernels.packing import Compute
 
 linux_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
@@ -108,7 +108,7 @@ def test_products_over_placed_weights_have_the_same_bits(kind: str, rows: int) -
 
     torch.manual_seed(0)
     dense = torch.randn(200, 96) * 0.05
-    make = {"q4": packing.quantize_int4, "q8": packing.quantize_int8,
+    make = {"q4": quantize.quantize_int4, "q8": quantize.quantize_int8,
             "bf16": lambda d: packing.pack_dense(d.bfloat16())}
     weight = make[kind](dense)  # q8: its expanded codes are placed too
     x = torch.randn(rows, 96)

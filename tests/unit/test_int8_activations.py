@@ -16,7 +16,7 @@ import pytest
 import torch
 from gguf_blocks_ref import Q4_FORMATS, Reference, fma, random_blocks, reference
 
-from lmrpc.kernels import gguf_blocks, native, packing
+from lmrpc.kernels import gguf_blocks, native, packing, quantize
 from lmrpc.kernels.packing import Compute, PackedWeight
 from lmrpc.server.config import ModelConfig
 from lmrpc.server.models.loader import load_model
@@ -101,7 +101,7 @@ def test_products_equal_the_reference_bitwise_for_every_row_count_and_split(fmt:
 def test_our_own_int4_weights_take_them_too() -> None:
     n, k = 96, 320
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * 0.05
-    p = packing.quantize_int4(w)
+    p = quantize.quantize_int4(w)
     lin = kernel(p, int8=True)
     assert lin.int8_activations
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
@@ -116,7 +116,7 @@ def test_our_own_int4_weights_take_them_too() -> None:
 def test_products_after_silu_keep_their_float_inputs() -> None:
     # The MLP's gated activations have outliers that int8 per 32 inputs rounds away: that call site keeps floats.
     n, k = 96, 64
-    p = packing.quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 0.05)
+    p = quantize.quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 0.05)
     gate_up = torch.randn(9, 2 * k, generator=torch.Generator().manual_seed(4))
     int8, plain = kernel(p, int8=True), kernel(p, int8=False)
     assert torch.equal(int8.forward(gate_up, silu=True), plain.forward(gate_up, silu=True))
@@ -126,10 +126,10 @@ def test_products_after_silu_keep_their_float_inputs() -> None:
 
 def test_only_q4_weights_in_the_builds_compute_take_them() -> None:
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * 0.05
-    assert not kernel(packing.quantize_int8(w), int8=True).int8_activations  # 8-bit codes: float inputs
+    assert not kernel(quantize.quantize_int8(w), int8=True).int8_activations  # 8-bit codes: float inputs
     other = Compute.F32 if COMPUTE == Compute.BF16 else Compute.BF16
     if other == Compute.F32 or native.load().native_bf16():
-        assert not kernel(packing.quantize_int4(w), int8=True, compute=other).int8_activations
+        assert not kernel(quantize.quantize_int4(w), int8=True, compute=other).int8_activations
 
 
 def test_the_loader_says_which_weights_take_them(tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmrpc.kernels import gguf_blocks, native, packing
+from lmrpc.kernels import gguf_blocks, native, packing, quantize
 from lmrpc.kernels.native_attention import NativeAttention
 from lmrpc.kernels.packing import Compute, PackedWeight
 from lmrpc.kernels.paged import AttentionShape, ChunkSpec, QKNorm, Rope
@@ -46,10 +46,10 @@ def gguf_q4_1_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> n
 FORMATS = {
     "f32": (lambda w: packing.pack_dense(w), Compute.F32),
     "bf16": (lambda w: packing.pack_dense(w.bfloat16()), Compute.BF16),
-    "int4-bf16": (packing.quantize_int4, Compute.BF16),
-    "int4-f32": (packing.quantize_int4, Compute.F32),
-    "int8-bf16": (packing.quantize_int8, Compute.BF16),
-    "int8-f32": (packing.quantize_int8, Compute.F32),
+    "int4-bf16": (quantize.quantize_int4, Compute.BF16),
+    "int4-f32": (quantize.quantize_int4, Compute.F32),
+    "int8-bf16": (quantize.quantize_int8, Compute.BF16),
+    "int8-f32": (quantize.quantize_int8, Compute.F32),
 }
 
 
@@ -100,7 +100,7 @@ def test_each_call_writes_its_own_input_padding(fmt: str) -> None:
 @pytest.mark.parametrize("compute", [Compute.BF16, Compute.F32])
 def test_fused_norm_silu_bias_and_residual(compute: Compute, rows: int) -> None:
     n, k = 96, 64
-    p = packing.quantize_int4(weight(n, k))
+    p = quantize.quantize_int4(weight(n, k))
     bias = torch.randn(n)
     lin, plain = op(p, compute, bias), op(p, compute)
     g = torch.Generator().manual_seed(2)
@@ -133,7 +133,7 @@ def int8_reference(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
 def test_int4_products_with_int8_activations_are_row_invariant_and_exact_in_integers(signed: bool) -> None:
     n, k = 200, 576
     w = weight(n, k)
-    p = packing.quantize_int4(w)
+    p = quantize.quantize_int4(w)
     if signed:  # Q4_0: value (q - 8) * scale, no offsets
         scale = p.scale.float().abs() + 1e-3
         p = PackedWeight(p.format, p.n, p.k, p.group, True, p.data, scale.half(), None)
@@ -154,7 +154,7 @@ def test_int4_products_with_int8_activations_are_row_invariant_and_exact_in_inte
 def test_products_after_silu_keep_bfloat16_activations() -> None:
     # The MLP's gated activations have outliers that int8 per 32 inputs rounds away: that call site stays bf16.
     n, k = 96, 64
-    p = packing.quantize_int4(weight(n, k))
+    p = quantize.quantize_int4(weight(n, k))
     gate_up = torch.randn(9, 2 * k, generator=torch.Generator().manual_seed(4))
     int8, bf16 = op(p, Compute.BF16, int8_activations=True), op(p, Compute.BF16, expand_codes=True)
     assert torch.equal(int8.forward(gate_up, silu=True), bf16.forward(gate_up, silu=True))
@@ -187,7 +187,7 @@ def test_int4_quantization_in_row_blocks_is_pack_q4_of_its_codes(monkeypatch: py
                                                                  ) -> None:
     """quantize_int4 in blocks of QUANT_ROWS rows, straight into the layout: the weight pack_q4 makes of the codes
     computed the plain way over the whole matrix (padding inputs included in each group's range, as zeros)."""
-    monkeypatch.setattr(packing, "QUANT_ROWS", 16)
+    monkeypatch.setattr(quantize, "QUANT_ROWS", 16)
     w = weight(n, k, seed=n)
     k_pad = -(-k // 32) * 32
     groups = torch.cat([w, torch.zeros(n, k_pad - k)], dim=1).view(n, k_pad // 32, 32)
@@ -195,7 +195,7 @@ def test_int4_quantization_in_row_blocks_is_pack_q4_of_its_codes(monkeypatch: py
     lo, scale = lo.half().float(), ((hi - lo) / 15.0).clamp(min=packing.MIN_SCALE).half().float()
     codes = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
     plain = packing.pack_q4(codes.view(n, k_pad)[:, :k], scale, lo)
-    fast = packing.quantize_int4(w)
+    fast = quantize.quantize_int4(w)
     for name in ("n", "k", "group", "q4_signed"):
         assert getattr(fast, name) == getattr(plain, name)
     assert fast.offset is not None and plain.offset is not None and fast.scale is not None and plain.scale is not None
@@ -204,7 +204,7 @@ def test_int4_quantization_in_row_blocks_is_pack_q4_of_its_codes(monkeypatch: py
 
 
 def test_stacking_and_row_permutation_keep_the_codes() -> None:
-    parts = [packing.quantize_int4(weight(n, 64, seed)) for seed, n in enumerate((40, 24, 24))]
+    parts = [quantize.quantize_int4(weight(n, 64, seed)) for seed, n in enumerate((40, 24, 24))]
     stacked = packing.concat_rows(parts)
     assert torch.equal(packing.dequantize(stacked), torch.cat([packing.dequantize(p) for p in parts]))
     order = torch.randperm(88, generator=torch.Generator().manual_seed(4))

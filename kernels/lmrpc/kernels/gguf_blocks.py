@@ -7,15 +7,15 @@ Each format's values are exactly those of gguf's `dequantize` (the reference; th
 | Q4_0 | 32: fp16 d, 4-bit q | Q4, fp16 scale | (q - 8) * d | 4.5 (4.5) |
 | Q4_1 | 32: fp16 d, m, 4-bit q | Q4, fp16 scale and offset | q * d + m | 5 (5) |
 | Q8_0 | 32: fp16 d, int8 q | Q8, fp16 scale | q * d | 8.5 (8.5) |
-| Q5_0 | 32: fp16 d, 5-bit q | Q8 (q - 16 in int8), fp16 scale | (q - 16) * d | 8.5 (5.5) |
-| Q5_1 | 32: fp16 d, m, 5-bit q | Q8 (q in int8), fp16 scale and offset | q * d + m | 9 (6) |
+| Q5_0 | 32: fp16 d, 5-bit q | Q6 (q - 16), fp16 scale | (q - 16) * d | 6.5 (5.5) |
+| Q5_1 | 32: fp16 d, m, 5-bit q | Q6 (q), fp16 scale and offset | q * d + m | 7 (6) |
 | Q4_K | 256: fp16 d, dmin; 8 x (6-bit sc, m, 32 x 4-bit q) | Q4, KScales | q * (d * sc) - dmin * m | 4.625 (4.5) |
-| Q5_K | 256: as Q4_K with 5-bit q | Q8 (q in int8), KScales | q * (d * sc) - dmin * m | 8.625 (5.5) |
-| Q6_K | 256: fp16 d; 16 x (int8 sc, 16 x 6-bit q) | Q8 (q - 32), KScales (16s) | (q - 32) * (d * sc) | 8.56 (6.56) |
+| Q5_K | 256: as Q4_K with 5-bit q | Q6 (q), KScales | q * (d * sc) - dmin * m | 6.625 (5.5) |
+| Q6_K | 256: fp16 d; 16 x (int8 sc, 16 x 6-bit q) | Q6 (q - 32), KScales (16s) | (q - 32) * (d * sc) | 6.56 (6.56) |
 
-Q5_0, Q5_1 and Q6_K hold their codes in 8 bits: llama-quantize uses them for a minority of a file's tensors (Q5_0/Q5_1
-where a width is not a multiple of 256; Q6_K for the output projection and some v/down projections of Q4_K_M).
-Q5_K, the bulk of a Q5_K_M file, does too for now (a 5-bit layout would bring it to 5.6).
+Q5_0, Q5_1, Q5_K and Q6_K hold their codes in 6 bits (packing.py's Q6: the products decode them into Q8's vectors
+a group at a time), so a Q5_K_M file's bulk takes 6.6 bits a weight against the file's 5.5, and Q4_K_M's Q6_K
+tensors (the output projection, some v and down projections) their own size.
 
 Everything here is numpy/torch on the host, run once per tensor at load, 2048 rows at a time (CHUNK_ROWS). The 4-bit
 formats (Q4_0, Q4_1, Q4_K: the bulk of most files) go from their blocks' bytes to the kernels' layout by 32-bit word
@@ -116,8 +116,8 @@ def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     high = _bits(b[..., at : at + 4], 8).transpose(0, 1, 3, 2).reshape(n, -1, 32)  # bit i of the LE word: element i
     q = _nibbles(b[..., at + 4 :]).reshape(n, -1, 32) | (high << 4)  # 0..31
     if ggml_type == Q5_0:
-        return packing.pack_q8(_tensor(q.astype(np.int8) - 16, n, k, torch.int8), d, 32, name="q5_0")
-    return packing.pack_q8(_tensor(q.astype(np.int8), n, k, torch.int8), d, 32, m, name="q5_1")
+        return packing.to_q6(packing.pack_q8(_tensor(q.astype(np.int8) - 16, n, k, torch.int8), d, 32, name="q5_0"))
+    return packing.to_q6(packing.pack_q8(_tensor(q.astype(np.int8), n, k, torch.int8), d, 32, m, name="q5_1"))
 
 
 def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
@@ -131,7 +131,7 @@ def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
         top = ((qh.reshape(n, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(n, -1, 2, 128)
         q = (low | (top << 4)).astype(np.int8) - 32
         ks = packing.pack_kscales(d, None, _tensor(sc, n, k // 16, torch.int8), None, 16)
-        return packing.pack_k(WeightFormat.Q8, _tensor(q, n, k, torch.int8), 16, ks, "q6_k")
+        return packing.pack_k(WeightFormat.Q6, _tensor(q, n, k, torch.int8), 16, ks, "q6_k")
     d, dmin = _halves(b[..., 0:2]), _halves(b[..., 2:4])
     sc, m = _k_scale_min(b[..., 4:16])
     qs = b[..., 16:144] if ggml_type == Q4_K else b[..., 48:176]
@@ -144,7 +144,7 @@ def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
         return packing.pack_k_tiled(WeightFormat.Q4, data, n, k, 32, ks, "q4_k")
     q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
     q = q | (_bits(b[..., 16:48], 8) << 4)  # bit j of byte i: the fifth bit of sub-block j's element i
-    return packing.pack_k(WeightFormat.Q8, _tensor(q.astype(np.int8), n, k, torch.int8), 32, ks, "q5_k")
+    return packing.pack_k(WeightFormat.Q6, _tensor(q.astype(np.int8), n, k, torch.int8), 32, ks, "q5_k")
 
 
 def common_k(parts: list[PackedWeight]) -> list[PackedWeight] | None:
@@ -165,5 +165,5 @@ def common_k(parts: list[PackedWeight]) -> list[PackedWeight] | None:
         if dmin is None or m is None:  # Q6_K
             dmin, m = torch.zeros_like(d), torch.zeros(sc.shape, dtype=torch.uint8)
         common = packing.pack_kscales(d, dmin, sc.to(torch.int8), m, 16)
-        out.append(packing.pack_k(WeightFormat.Q8, packing.codes_of(p).to(torch.int8), 16, common, name))
+        out.append(packing.pack_k(WeightFormat.Q6, packing.codes_of(p).to(torch.int8), 16, common, name))
     return out

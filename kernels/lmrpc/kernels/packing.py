@@ -1,4 +1,4 @@
-"""Weights in the native kernels' tiled layout (csrc/linear.h): dense, quantized by us, or GGUF blocks as they are.
+"""Weights in the native kernels' tiled layout (csrc/linear.h): dense, quantized by us (quantize.py), or GGUF blocks.
 
 A weight [n, k] is stored in tiles of 16 outputs, tiles in pairs (n padded to a multiple of 32), over pairs of inputs
 ("kpairs"; k padded to a multiple of 4, or of the group size when quantized). A tile pair's data is one contiguous
@@ -8,9 +8,12 @@ Quantized weights keep integer codes with float32 scales (and offsets) per group
 - Q4: 4-bit codes in groups of 32, value `(q - 8) * scale` (GGUF Q4_0, "signed") or `q * scale + offset` (Q4_1 and
   our own asymmetric int4). A GGUF file's Q4_0/Q4_1 blocks are repacked code for code, never dequantized, so a
   model is served with exactly its own weights.
-- Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0, Q5_0 and Q5_1: their 5-bit
-  codes held in 8 bits), 16 (GGUF Q6_K) or one group per output row (our own int8 per-channel quantization).
-- GGUF K-quants (Q4_K as Q4, Q5_K and Q6_K as Q8) keep the file's scales as they are (`KScales`: per super-block
+- Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0) or one group per output row
+  (our own int8 per-channel quantization).
+- Q6: Q8 whose codes lie in -32..31 held in 6 bits a code (csrc/linear.h's layout), in groups of 32 (GGUF Q5_0,
+  Q5_1, Q5_K) or 16 (Q6_K, and K-quants of mixed formats stacked), so a Q5_K_M or Q4_K_M file's 5- and 6-bit
+  tensors take about their own size.
+- GGUF K-quants (Q4_K as Q4, Q5_K and Q6_K as Q6) keep the file's scales as they are (`KScales`: per super-block
   fp16 d and dmin, per group 8-bit sc and m); the kernels fold each group with d * sc and -(dmin * m), exact in
   float32. gguf_blocks.py reads every GGUF block format into these layouts.
 
@@ -36,6 +39,7 @@ class WeightFormat(enum.IntEnum):
     BF16 = 1
     Q4 = 2
     Q8 = 3
+    Q6 = 4
 
 
 class Compute(enum.IntEnum):
@@ -78,7 +82,7 @@ class PackedWeight:
 
     @property
     def quantized(self) -> bool:
-        return self.format in (WeightFormat.Q4, WeightFormat.Q8)
+        return self.format in (WeightFormat.Q4, WeightFormat.Q8, WeightFormat.Q6)
 
     @property
     def nbytes(self) -> int:
@@ -92,12 +96,12 @@ class PackedWeight:
     @property
     def n_pad(self) -> int:
         """Outputs padded to whole tile pairs."""
-        return _round_up(self.n, PAIR_TILES)
+        return round_up(self.n, PAIR_TILES)
 
     @property
     def k_pad(self) -> int:
         """Inputs padded to whole groups (quantized; `group` is the padded k when dense)."""
-        return _round_up(self.k, self.group)
+        return round_up(self.k, self.group)
 
     @property
     def label(self) -> str:
@@ -112,11 +116,11 @@ class PackedWeight:
         return self.format.name.lower()
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     out = t.new_zeros(rows, cols)
     out[: t.shape[0], : t.shape[1]] = t
     return out
@@ -139,7 +143,7 @@ def _group_tiles(per_group: torch.Tensor, n_pad: int) -> torch.Tensor:
     float16 (or the integers' dtype)."""
     if per_group.dtype not in (torch.uint8, torch.int8):
         per_group = per_group.half()
-    padded = _pad(per_group, n_pad, per_group.shape[1])
+    padded = pad(per_group, n_pad, per_group.shape[1])
     return padded.view(n_pad // PAIR_TILES, 2, TILE, -1).permute(0, 3, 1, 2).contiguous()
 
 
@@ -157,7 +161,7 @@ def _per_group(t: torch.Tensor | None, n: int) -> torch.Tensor:
 def pack_kscales(d: torch.Tensor, dmin: torch.Tensor | None, sc: torch.Tensor, m: torch.Tensor | None,
                  super_groups: int) -> KScales:
     """K-quant scales from per-row tensors: d, dmin [n, supers] (fp16 values), sc, m [n, groups] (8-bit)."""
-    n_pad = _round_up(d.shape[0], PAIR_TILES)
+    n_pad = round_up(d.shape[0], PAIR_TILES)
     return KScales(_group_tiles(d, n_pad), None if dmin is None else _group_tiles(dmin, n_pad),
                    _group_tiles(sc, n_pad), None if m is None else _group_tiles(m, n_pad), super_groups)
 
@@ -195,18 +199,45 @@ def pack_dense(weight: torch.Tensor) -> PackedWeight:
     if fmt is None:
         raise ValueError(f"dense weights are float32 or bfloat16, got {weight.dtype}")
     n, k = weight.shape
-    n_pad, k_pad = _round_up(n, PAIR_TILES), _round_up(k, 4)
-    return PackedWeight(fmt, n, k, k_pad, False, _tiles(_pad(weight, n_pad, k_pad)), None, None)
+    n_pad, k_pad = round_up(n, PAIR_TILES), round_up(k, 4)
+    return PackedWeight(fmt, n, k, k_pad, False, _tiles(pad(weight, n_pad, k_pad)), None, None)
 
 
 def _q8_data(codes: torch.Tensor, group: int) -> torch.Tensor:
     if group % 4:
         raise ValueError("Q8 groups are multiples of 4 inputs")
     n, k = codes.shape
-    return _tiles(_pad(codes.to(torch.int8), _round_up(n, PAIR_TILES), _round_up(k, group)))
+    return _tiles(pad(codes.to(torch.int8), round_up(n, PAIR_TILES), round_up(k, group)))
 
 
-def _code_pairs(codes: torch.Tensor) -> torch.Tensor:
+def _q6_data(q8: torch.Tensor) -> torch.Tensor:
+    """Q8 data [pairs, kpairs, 2, 16, 2] (codes -32..31) -> the Q6 layout [pairs, kpairs / 2, 3, 32] uint8: per
+    four Q8 vectors, the low 4 bits of vectors 0 and 1 (low and high nibbles), of 2 and 3, then the top 2 bits of
+    vector i in bits 2i, 2i + 1; each code as q + 32."""
+    if q8.numel() and (int(q8.min()) < -32 or int(q8.max()) > 31):
+        raise ValueError("Q6 holds codes -32..31")
+    u = (q8.to(torch.int16) + 32).to(torch.uint8).view(q8.shape[0], -1, 4, 32)  # [pairs, units, vector, byte]
+    low, top = u & 0x0F, u >> 4
+    return torch.stack([low[:, :, 0] | (low[:, :, 1] << 4), low[:, :, 2] | (low[:, :, 3] << 4),
+                        top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)], dim=2)
+
+
+def _q8_of_q6(data: torch.Tensor) -> torch.Tensor:
+    """The inverse of _q6_data: [pairs, kpairs, 2, 16, 2] int8."""
+    a, b, h = data[:, :, 0], data[:, :, 1], data[:, :, 2]
+    vectors = [(a & 0x0F), (a >> 4), (b & 0x0F), (b >> 4)]
+    u = torch.stack([v | (((h >> (2 * i)) & 3) << 4) for i, v in enumerate(vectors)], dim=2)
+    return (u.to(torch.int16) - 32).to(torch.int8).view(data.shape[0], -1, 2, TILE, 2)
+
+
+def to_q6(p: PackedWeight) -> PackedWeight:
+    """A Q8 weight whose codes lie in -32..31, held in 6 bits a code (Q6): the same weight."""
+    if p.format != WeightFormat.Q8 or p.group not in (16, 32):
+        raise ValueError("Q6 holds Q8 weights in groups of 16 or 32")
+    return replace(p, format=WeightFormat.Q6, data=_q6_data(p.data))
+
+
+def code_pairs(codes: torch.Tensor) -> torch.Tensor:
     """Codes [rows, k_pad] (0..15) -> q4_tiles' bytes [rows, groups, 8, 2]: byte (c, e) of a group holds its codes
     4c + e (low nibble) and 4c + 2 + e (high nibble)."""
     q = codes.view(codes.shape[0], -1, 8, 2, 2)  # [rows, groups, c, code 4c + e or 4c + 2 + e, e]
@@ -219,7 +250,7 @@ def q4_tiles(chunks: torch.Tensor, signed: bool) -> torch.Tensor:
     2c + 1 in order (256 bytes a tile). A GGUF Q4 block's bytes are shuffled into these directly (gguf_blocks.py),
     without a byte per code in between."""
     n, groups = chunks.shape[0], chunks.shape[1]
-    n_pad = _round_up(n, PAIR_TILES)
+    n_pad = round_up(n, PAIR_TILES)
     padded = chunks.new_full((n_pad, groups, 8, 2), 0x88 if signed else 0)  # padding rows decode to 0
     padded[:n] = chunks
     # [pair, tile, o, group, c, e] -> [pair, group, tile, c, o, e]
@@ -229,10 +260,10 @@ def q4_tiles(chunks: torch.Tensor, signed: bool) -> torch.Tensor:
 def _q4_data(codes: torch.Tensor, signed: bool) -> torch.Tensor:
     n, k = codes.shape
     # Padding inputs decode to 0 either way; 8 keeps Q4_0 groups at exactly zero.
-    padded = _pad(codes.to(torch.uint8), n, _round_up(k, Q4_GROUP))
+    padded = pad(codes.to(torch.uint8), n, round_up(k, Q4_GROUP))
     if signed:
         padded[:, k:] = 8
-    return q4_tiles(_code_pairs(padded), signed)
+    return q4_tiles(code_pairs(padded), signed)
 
 
 def _check_groups(name: str, t: torch.Tensor | None, n: int, groups: int) -> None:
@@ -244,10 +275,10 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor, group: int, offset: torch.
             name: str | None = None) -> PackedWeight:
     """int8 codes [n, k] with float scales (and offsets) [n, k_pad / group]: value q * scale (+ offset)."""
     n, k = codes.shape
-    groups = _round_up(k, group) // group
+    groups = round_up(k, group) // group
     _check_groups("scale", scale, n, groups)
     _check_groups("offset", offset, n, groups)
-    n_pad = _round_up(n, PAIR_TILES)
+    n_pad = round_up(n, PAIR_TILES)
     return PackedWeight(WeightFormat.Q8, n, k, group, False, _q8_data(codes, group), _group_tiles(scale, n_pad),
                         None if offset is None else _group_tiles(offset, n_pad), name=name)
 
@@ -256,7 +287,7 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
     """4-bit codes [n, k] (uint8 0..15) in groups of 32 with scales [n, groups] and, for Q4_1, offsets [n, groups]
     (value q * scale + offset); without offsets, Q4_0 (value (q - 8) * scale)."""
     n, k = codes.shape
-    groups = _round_up(k, Q4_GROUP) // Q4_GROUP
+    groups = round_up(k, Q4_GROUP) // Q4_GROUP
     _check_groups("scale", scale, n, groups)
     _check_groups("offset", offset, n, groups)
     return pack_q4_tiled(_q4_data(codes, offset is None), n, k, scale, offset)
@@ -265,70 +296,29 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
 def pack_q4_tiled(data: torch.Tensor, n: int, k: int, scale: torch.Tensor, offset: torch.Tensor | None,
                   name: str | None = None) -> PackedWeight:
     """pack_q4's weight from codes already in its layout (q4_tiles) and scales [n, groups] (float16 values)."""
-    n_pad = _round_up(n, PAIR_TILES)
+    n_pad = round_up(n, PAIR_TILES)
     return PackedWeight(WeightFormat.Q4, n, k, Q4_GROUP, offset is None, data, _group_tiles(scale, n_pad),
                         None if offset is None else _group_tiles(offset, n_pad), name=name)
 
 
 def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales, name: str) -> PackedWeight:
-    """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32) or Q8 (int8 codes)."""
+    """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32), Q8 (int8 codes) or Q6 (-32..31)."""
     n, k = codes.shape
-    data = _q4_data(codes, False) if fmt == WeightFormat.Q4 else _q8_data(codes, group)
+    if fmt == WeightFormat.Q4:
+        data = _q4_data(codes, False)
+    else:
+        data = _q8_data(codes, group)
+        if fmt == WeightFormat.Q6:
+            data = _q6_data(data)
     return pack_k_tiled(fmt, data, n, k, group, kscales, name)
 
 
 def pack_k_tiled(fmt: WeightFormat, data: torch.Tensor, n: int, k: int, group: int, kscales: KScales, name: str
                  ) -> PackedWeight:
     """pack_k's weight from codes already in the layout."""
-    if kscales.sc.shape[1] != _round_up(k, group) // group or k % (group * kscales.super_groups):
+    if kscales.sc.shape[1] != round_up(k, group) // group or k % (group * kscales.super_groups):
         raise ValueError("K-quant scales must cover whole super-blocks of the weight's groups")
     return PackedWeight(fmt, n, k, group, False, data, None, None, kscales, name)
-
-
-# ---- our own quantization of dense weights ---------------------------------------------------------------------
-
-
-def _half(t: torch.Tensor) -> torch.Tensor:
-    """Scales as stored (float16), back in float32: codes are computed against the stored value."""
-    return t.clamp(min=MIN_SCALE).half().float()
-
-
-def quantize_int8(weight: torch.Tensor) -> PackedWeight:
-    """Symmetric int8 per output channel: scale = max|w| / 127 (one group per row)."""
-    w = weight.float()
-    k = w.shape[1]
-    scale = _half(w.abs().amax(dim=1) / 127.0)  # [n]
-    codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    group = _round_up(k, 4)
-    return pack_q8(codes, scale[:, None], group)
-
-
-# Rows quantized at once by quantize_int4: its float32 temporaries stay a few MB per row block instead of several bytes
-# a weight of the whole matrix (a 1.7B checkpoint's load spent most of its time faulting such pages in).
-QUANT_ROWS = 1024
-
-
-def quantize_int4(weight: torch.Tensor) -> PackedWeight:
-    """Asymmetric int4 in groups of 32 (GGUF Q4_1's scheme, float16 scale and offset): value q * scale + min.
-
-    QUANT_ROWS rows at a time, the codes going straight into the Q4 layout's bytes (q4_tiles): the weight pack_q4
-    makes of the same codes."""
-    n, k = weight.shape
-    k_pad = _round_up(k, Q4_GROUP)
-    groups = k_pad // Q4_GROUP
-    chunks = torch.empty(n, groups, 8, 2, dtype=torch.uint8)  # q4_tiles' bytes
-    scale, offset = torch.empty(n, groups), torch.empty(n, groups)
-    for r in range(0, n, QUANT_ROWS):
-        w = weight[r : r + QUANT_ROWS].float()
-        rows = w.shape[0]
-        g = (w if k_pad == k else _pad(w, rows, k_pad)).view(rows, groups, Q4_GROUP)
-        lo, hi = g.amin(dim=2), g.amax(dim=2)  # [rows, groups]
-        lo, step = lo.half().float(), _half((hi - lo) / 15.0)
-        codes = (g - lo[..., None]).div_(step[..., None]).round_().clamp_(0, 15).to(torch.uint8)  # [rows, groups, 32]
-        codes.view(rows, k_pad)[:, k:] = 0  # padding inputs hold code 0, as pack_q4 pads them
-        chunks[r : r + rows] = _code_pairs(codes.view(rows, k_pad))
-        scale[r : r + rows], offset[r : r + rows] = step, lo
-    return pack_q4_tiled(q4_tiles(chunks, signed=False), n, k, scale, offset)
 
 
 def dequantize(p: PackedWeight) -> torch.Tensor:
@@ -348,6 +338,8 @@ def dequantize(p: PackedWeight) -> torch.Tensor:
 
 def _padded_codes(p: PackedWeight) -> torch.Tensor:
     """Codes (quantized) or values (dense) [n_pad, k_pad] in their stored dtype."""
+    if p.format == WeightFormat.Q6:
+        return _untile(_q8_of_q6(p.data))
     if p.format != WeightFormat.Q4:
         return _untile(p.data)
     pairs, groups = p.data.shape[0], p.data.shape[1]
@@ -425,6 +417,8 @@ def _repack(like: PackedWeight, codes: torch.Tensor, scale: torch.Tensor, offset
     """Codes and per-group scales in `like`'s format (fp16 scales)."""
     if like.format == WeightFormat.Q8:
         return pack_q8(codes, scale, like.group, offset, like.name)
+    if like.format == WeightFormat.Q6:
+        return to_q6(pack_q8(codes, scale, like.group, offset, like.name))
     return replace(pack_q4(codes, scale, offset), q4_signed=like.q4_signed, name=like.name)
 
 

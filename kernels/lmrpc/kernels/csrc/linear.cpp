@@ -197,10 +197,13 @@ float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
     case WeightFormat::BF16:
       return bf16_to_f32(static_cast<const uint16_t*>(w.data)[vector * 32 + lane]);
     case WeightFormat::Q8:
+    case WeightFormat::Q6:
     case WeightFormat::Q4: {
       int q;
       if (w.format == WeightFormat::Q8) {
         q = static_cast<const int8_t*>(w.data)[vector * 32 + lane];
+      } else if (w.format == WeightFormat::Q6) {
+        q = q6_code(q6_group(w, vector), static_cast<int>(vector % 4), lane);
       } else {
         const int64_t jg = j % 16;
         const uint8_t byte =

@@ -11,7 +11,15 @@ enum class WeightFormat : int32_t {
   BF16 = 1,  // bfloat16 values
   Q4 = 2,    // 4-bit codes q in groups of 32, value (q - 8 if q4_signed else q) * scale + offset
   Q8 = 3,    // signed 8-bit codes in groups of `group` elements, value q * scale (+ offset)
+  Q6 = 4,    // Q8 whose codes lie in -32..31 (GGUF Q5_0, Q5_1, Q5_K, Q6_K), held in 6 bits: see kQ6UnitBytes
 };
+
+// A Q6 weight holds Q8's kpair vectors (32 codes each, in Q8's order) four at a time, each four in 96 bytes: bytes
+// 0-31 the low 4 bits of vectors 0 (low nibbles) and 1 (high nibbles), bytes 32-63 those of vectors 2 and 3, bytes
+// 64-95 the top 2 bits of vector i in bits 2i, 2i + 1; each code stored as q + 32 (0..63). Groups are whole units
+// (groups of a multiple of 4 inputs: 2 kpairs x 2 tiles), so Q8 vector v starts unit v / 4 and group g of a tile
+// pair sits at 24 bytes per Q8 vector. Q5_K_M and Q4_K_M files' 5- and 6-bit tensors take 6 bits a code, not 8.
+constexpr int64_t kQ6UnitBytes = 96;
 
 // GGUF K-quant scales (Q4_K, Q5_K, Q6_K), kept as the file stores them instead of as one float per group: per
 // output and super-block of `super_groups` groups, fp16 d (and dmin); per output and group, 8-bit multipliers sc
@@ -33,7 +41,8 @@ enum class Compute : int32_t { F32 = 0, BF16 = 1 };
 // A weight [n, k] in lmrpc's tiled layout (see kernels/lmrpc/kernels/packing.py, which builds it).
 // Outputs come in tiles of 16, tiles in pairs: n is padded to n_pad (a multiple of 32) with zero weights. Inputs
 // come in pairs (kpairs): k is padded to k_pad (a multiple of 2, and of `group` when quantized) with zeros.
-// Within a tile, kpair j holds [16 outputs][2 inputs]: for BF16 and Q8 one 64- or 32-byte vector per kpair; Q4
+// Within a tile, kpair j holds [16 outputs][2 inputs]: for BF16 and Q8 one 64- or 32-byte vector per kpair (Q6: as
+// Q8, four vectors in 96 bytes); Q4
 // stores each group of 16 kpairs as 8 chunks of 32 bytes, byte 2*o+e of chunk c holding kpair 2c in its low nibble
 // and kpair 2c+1 in its high nibble.
 struct PackedWeight {
@@ -60,6 +69,9 @@ struct PackedWeight {
   const uint8_t* vnni = nullptr;
 
   bool k_scaled() const { return ks.d != nullptr; }
+  bool quantized() const {
+    return format == WeightFormat::Q4 || format == WeightFormat::Q8 || format == WeightFormat::Q6;
+  }
   // Whether groups carry offsets (the products then need each row's group sums).
   bool has_offsets() const { return offset != nullptr || ks.dmin != nullptr; }
 };

@@ -35,6 +35,13 @@ struct Inputs {
 
 inline int q4_value(uint8_t code, bool is_signed) { return is_signed ? static_cast<int>(code) - 8 : code; }
 
+// The code of byte b of Q8 vector i (0..3) of a Q6 unit (linear.h).
+inline int q6_code(const uint8_t* unit, int i, int64_t b) {
+  const uint8_t nibbles = unit[32 * (i / 2) + b];
+  const int lo = i % 2 == 0 ? nibbles & 15 : nibbles >> 4;
+  return (lo | (((unit[64 + b] >> (2 * i)) & 3) << 4)) - 32;
+}
+
 // bf16 values of the 16 codes (twice, to fill a 32-entry permute table).
 struct Q4Table {
   alignas(64) uint16_t bf16[32];
@@ -171,6 +178,33 @@ void expand_q8(const int8_t* src, int64_t vectors, T* dst) {
   }
 }
 
+// Q6 units (linear.h: kQ6UnitBytes each) -> the Q8 vectors they hold (4 a unit, 32 int8 each).
+inline void decode_q6(const uint8_t* src, int64_t units, int8_t* dst) {
+#if LMRPC_AVX512 || LMRPC_AVX2
+  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+  for (int64_t u = 0; u < units; ++u, src += kQ6UnitBytes, dst += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+    // 16-bit shifts: each byte's bits are masked back to its own after the shift
+    const __m256i v[4] = {
+        _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
+        _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(h, top)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), top)),
+    };
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * i), _mm256_sub_epi8(v[i], bias));
+    }
+  }
+#else
+  for (int64_t u = 0; u < units; ++u, src += kQ6UnitBytes, dst += 128) {
+    for (int i = 0; i < 4; ++i)
+      for (int b = 0; b < 32; ++b) dst[32 * i + b] = static_cast<int8_t>(q6_code(src, i, b));
+  }
+#endif
+}
+
 // ---- where a tile pair's weights come from, one group at a time ----------------------------------------------
 // Each source yields, for group g, the pair's kpairs ([kpairs][2 tiles][32] values) and scales and offsets
 // ([2 tiles][16] each).
@@ -229,6 +263,14 @@ inline __m512 offset_x16(const GroupWeights& gw, int t) {
 }
 #endif
 
+// Q6 weights' groups are at most this many inputs (GGUF's 16 and 32): a group's codes decode into a stack buffer.
+constexpr int64_t kMaxQ6Group = 32;
+
+// Where Q8 vector `vector` (a group's first: PairIndex::vectors) starts in a Q6 weight's units.
+inline const uint8_t* q6_group(const PackedWeight& w, int64_t vector) {
+  return static_cast<const uint8_t*>(w.data) + vector / 4 * kQ6UnitBytes;
+}
+
 // Offsets of tile pair p, group g in the packed arrays.
 struct PairIndex {
   const PackedWeight* w;
@@ -259,6 +301,10 @@ struct ExpandSource {
     const PackedWeight& w = *at.w;
     if (w.format == WeightFormat::Q4) {
       expand_q4<T>(static_cast<const uint8_t*>(w.data) + at.q4_bytes(g), w.q4_signed, *table, dst);
+    } else if (w.format == WeightFormat::Q6) {
+      alignas(64) int8_t codes[kMaxQ6Group * 32];
+      decode_q6(q6_group(w, at.vectors(g)), at.gkp / 2, codes);
+      expand_q8<T>(codes, 2 * at.gkp, dst);
     } else {
       expand_q8<T>(static_cast<const int8_t*>(w.data) + at.vectors(g) * 32, 2 * at.gkp, dst);
     }

@@ -167,7 +167,7 @@ LMRPC_INLINE void q4_lanes(const uint8_t* bytes, __m256& lo, __m256& hi) {
   hi = _mm256_cvtepi32_ps(h);
 }
 
-// One row, float32, one tile pair (p) of Q4 or Q8 codes, read as they are stored: each kpair's codes become floats
+// One row, float32, one tile pair (p) of Q4, Q8 or Q6 codes, read as they are stored: each kpair's codes become floats
 // in registers and enter the sums at once (no expanded group in memory). The operations of block_f32<1, 1, true>.
 // kSigned: Q4 codes stand for q - 8 (Q4_0), else q.
 template <bool kSigned>
@@ -175,6 +175,7 @@ void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, const f
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
   const bool q4 = w.format == WeightFormat::Q4;
   alignas(32) float Y[32] = {};
+  alignas(64) int8_t q6_codes[2][kMaxQ6Group * 32];  // Q6: two groups' codes as Q8 vectors (g % 2)
   for (int64_t g = 0; g < groups; ++g) {
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
     const float* xg = x + 2 * g * gkp;
@@ -196,10 +197,23 @@ void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, const f
             acc[t][h] = _mm256_fmadd_ps(hi, x1, _mm256_fmadd_ps(lo, x0, acc[t][h]));
           }
       }
-    } else {  // one vector of 32 int8 per kpair and tile
+    } else {  // one vector of 32 int8 per kpair and tile (Q6: decoded a group at a time into them)
       const int8_t* src = static_cast<const int8_t*>(w.data) + (p * kp + g * gkp) * 64;
-      for (int64_t line = 0; line < gkp; ++line) {  // the group two ahead (64 bytes a kpair), asked into L1
-        _mm_prefetch(reinterpret_cast<const char*>(src + 2 * gkp * 64 + 64 * line), _MM_HINT_T0);
+      if (w.format == WeightFormat::Q6) {
+        // Group g + 1 is decoded now, g's codes were the step before: its loads never wait on stores just made.
+        if (g == 0) decode_q6(q6_group(w, p * kp * 2), gkp / 2, q6_codes[0]);
+        if (g + 1 < groups) {
+          const uint8_t* next = q6_group(w, (p * kp + (g + 1) * gkp) * 2);
+          for (int64_t line = 0; line < (gkp * 48 + 63) / 64; ++line) {  // the group after it, asked into L1
+            _mm_prefetch(reinterpret_cast<const char*>(next + gkp * 48 + 64 * line), _MM_HINT_T0);
+          }
+          decode_q6(next, gkp / 2, q6_codes[(g + 1) % 2]);
+        }
+        src = q6_codes[g % 2];
+      } else {
+        for (int64_t line = 0; line < gkp; ++line) {  // the group two ahead (64 bytes a kpair), asked into L1
+          _mm_prefetch(reinterpret_cast<const char*>(src + 2 * gkp * 64 + 64 * line), _MM_HINT_T0);
+        }
       }
       for (int64_t j = 0; j < gkp; ++j) {
         const __m256 xj = pair_of(j);

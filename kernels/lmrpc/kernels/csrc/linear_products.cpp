@@ -114,7 +114,7 @@ void run_block(int rows, const Source* src, int64_t groups, int64_t gkp, const R
 // ---- the product ------------------------------------------------------------------------------------------------
 
 #if LMRPC_AVX512
-// Q8 weights without expanded codes (as with --no-expand-codes), bf16 products, many rows: per chunk of rows,
+// Q8 (and Q6) weights without expanded codes (as with --no-expand-codes), bf16 products, many rows: per chunk of rows,
 // per group, expand the group once (L1) and run every row block of the chunk over it, the running sums in memory.
 template <int P>
 void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
@@ -202,7 +202,7 @@ void many_rows_q4(const PackedWeight& w, const Inputs& in, const LinearArgs& a, 
   });
 }
 
-// Q8 weights with expanded codes, bf16 products, many rows: one tile pair at a time, blocks of up to
+// Q8 (and Q6) weights with expanded codes, bf16 products, many rows: one tile pair at a time, blocks of up to
 // kMaxRows rows with their running sums in registers across the groups (block_bf16<R, 1, true>: 2R group sums and
 // 2R totals fit beside the weights), so no group's sums leave the registers and six rows share each weight load.
 // (Measured here against two pairs of three or four rows: one pair of six or four is faster.)
@@ -252,7 +252,7 @@ template <typename T, int P>
 void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
                    const Q4Table& table, AlignedBuffer<T>& buffer) {
   const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
-  const bool quantized = w.format == WeightFormat::Q4 || w.format == WeightFormat::Q8;
+  const bool quantized = w.quantized();
   const int rows_per_block = block_rows<T>(quantized);
   const bool one_block = rr.size() <= rows_per_block;
   const T* xq;

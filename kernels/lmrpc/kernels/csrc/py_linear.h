@@ -36,11 +36,13 @@ class PackedLinear {
       : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias), kd_(kd), kdmin_(kdmin), ksc_(ksc),
         km_(km), compute_(static_cast<lmrpc::Compute>(compute)) {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
-    const bool quantized = fmt == lmrpc::WeightFormat::Q4 || fmt == lmrpc::WeightFormat::Q8;
+    const bool quantized =
+        fmt == lmrpc::WeightFormat::Q4 || fmt == lmrpc::WeightFormat::Q8 || fmt == lmrpc::WeightFormat::Q6;
     const int64_t n_pad = (n + 31) / 32 * 32;
     const int64_t k_pad = quantized ? (k + group - 1) / group * group : (k + 3) / 4 * 4;
     TORCH_CHECK(k_pad % 4 == 0 && (!quantized || group % 4 == 0), "group and padded k must be multiples of 4");
     TORCH_CHECK(fmt != lmrpc::WeightFormat::Q4 || group == 32, "Q4 weights come in groups of 32");
+    TORCH_CHECK(fmt != lmrpc::WeightFormat::Q6 || group == 16 || group == 32, "Q6 weights come in groups of 16 or 32");
     const bool k_scaled = kd.has_value();
     TORCH_CHECK(quantized == (scale.has_value() || k_scaled), "quantized weights need scales, dense weights none");
     TORCH_CHECK(!(k_scaled && (scale.has_value() || offset.has_value())), "K scales replace scales and offsets");
@@ -56,6 +58,7 @@ class PackedLinear {
       case lmrpc::WeightFormat::BF16: bytes = n_pad * k_pad * 2; break;
       case lmrpc::WeightFormat::Q8: bytes = n_pad * k_pad; break;
       case lmrpc::WeightFormat::Q4: bytes = n_pad * k_pad / 2; break;
+      case lmrpc::WeightFormat::Q6: bytes = n_pad * k_pad * 3 / 4; break;
     }
     TORCH_CHECK(data_.nbytes() == static_cast<size_t>(bytes), "packed data holds ", data_.nbytes(), " bytes, expected ",
                 bytes);
@@ -106,8 +109,9 @@ class PackedLinear {
         w_.int8 = true;
       }
     }
-    // Q8 products of many rows read these; Q4 ones expand their 4-bit codes in registers (block_q4), which is faster.
-    if (expand_codes && fmt == lmrpc::WeightFormat::Q8 && compute_ == lmrpc::Compute::BF16 && lmrpc::native_bf16()) {
+    // Q8 and Q6 products of many rows read these; Q4 ones expand their 4-bit codes in registers (block_q4), which is faster.
+    const bool eight_bit = fmt == lmrpc::WeightFormat::Q8 || fmt == lmrpc::WeightFormat::Q6;
+    if (expand_codes && eight_bit && compute_ == lmrpc::Compute::BF16 && lmrpc::native_bf16()) {
       if (codes.has_value()) {  // the caller's buffer (huge pages: kernels/hugepages.py)
         TORCH_CHECK(codes->scalar_type() == at::kShort && codes->is_contiguous() && codes->numel() == n_pad * k_pad,
                     "codes: int16 [n_pad * k_pad]");

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lmrpc.kernels import hugepages, native, packing
+from lmrpc.kernels import hugepages, native, packing, quantize
 from lmrpc.kernels.packing import Compute, PackedWeight, WeightFormat
 from lmrpc.server.models.linear import DenseLinear, LinearLayer
 from lmrpc.server.models.weights import Matrix
@@ -54,7 +54,8 @@ class NativeLinear:
         self.compute = compute
         self.in_features, self.out_features = weight.k, weight.n
         codes = None
-        if arena is not None and expand_codes and weight.format == WeightFormat.Q8 and compute == Compute.BF16:
+        eight_bit = weight.format in (WeightFormat.Q8, WeightFormat.Q6)
+        if arena is not None and expand_codes and eight_bit and compute == Compute.BF16:
             # bfloat16 codes [n_pad * k_pad] (the kernel expands them where the CPU has AVX512-BF16, else leaves
             # this untouched: never resident)
             codes = arena.zeros((weight.n_pad * weight.k_pad,), torch.int16)
@@ -159,9 +160,9 @@ class LinearBuilder:
                 return weight
             weight = packing.dequantize(weight)
         if q == Quantization.INT8 or (q == Quantization.INT4 and output):
-            return packing.quantize_int8(weight)
+            return quantize.quantize_int8(weight)
         if q == Quantization.INT4:
-            return packing.quantize_int4(weight)
+            return quantize.quantize_int4(weight)
         return packing.pack_dense(weight.to(self.dtype))
 
     def describe(self, formats: set[str]) -> str:
