@@ -7,8 +7,8 @@
 // fma(x_even, w_even, acc) then fma(x_odd, w_odd, .) over the group's kpairs, then folded.
 //
 // Besides the blocks over expanded groups (block_avx2), float32 products of quantized weights read their codes as
-// stored where that saves memory traffic: one row over Q4 or Q8 codes (one_row_codes_f32), and many rows over Q4
-// codes in blocks of 4 (block_q4_f32).
+// stored where that saves memory traffic: one row over Q4, Q8 or Q6 codes (one_row_codes_f32), and many rows in
+// blocks of 4 over Q4 codes (block_q4_f32) or 8-bit ones (block_q8_f32).
 #pragma once
 
 #include <cstdint>
@@ -256,6 +256,43 @@ void block_q4_f32(const PackedWeight& w, int64_t p, const RowBlock& rb) {
             const __m256 x0 = _mm256_castpd_ps(_mm256_broadcast_sd(x));
             const __m256 x1 = _mm256_castpd_ps(_mm256_broadcast_sd(x + 1));
             for (int i = 0; i < 2; ++i) acc[r][i] = _mm256_fmadd_ps(hi[i], x1, _mm256_fmadd_ps(lo[i], x0, acc[r][i]));
+          }
+        }
+        const Fold8 f = fold_of(gw, 16 * t + 8 * half);
+        for (int r = 0; r < R; ++r) {
+          fold8<true>(&Y[r][16 * t + 8 * half], pair_sums(acc[r][0], acc[r][1]), f, rb.sums[r], g);
+        }
+      }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
+}
+
+// R (<= 4) rows x one tile pair (p) of 8-bit codes over every group, float32: each kpair's codes made floats in
+// registers once per row block, half a tile (8 outputs) at a time. `codes`: the pair's Q8 vectors ([kp][2][32]; a Q6
+// weight's decoded once for all row blocks). The operations of block_f32<R, 1, true>; where expanding the pair's
+// groups into floats first puts 4 bytes a weight in a buffer every row block reads again (a 2048 x 8192 pair: 1 MiB,
+// from L3), this reads a byte a weight.
+template <int R>
+void block_q8_f32(const PackedWeight& w, int64_t p, const int8_t* codes, const RowBlock& rb) {
+  const int64_t groups = w.k_pad / w.group, gkp = w.group / 2;
+  alignas(32) float Y[R][32] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
+    const int8_t* src = codes + g * gkp * 64;
+    for (int t = 0; t < 2; ++t)
+      for (int half = 0; half < 2; ++half) {  // lanes 16 half .. 16 half + 15: outputs 8 half .. 8 half + 7
+        __m256 acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < gkp; ++j) {
+          __m256 v[2];
+          for (int i = 0; i < 2; ++i) {
+            const int8_t* c = src + 64 * j + 32 * t + 16 * half + 8 * i;
+            v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+          }
+          for (int r = 0; r < R; ++r) {
+            const double* x = reinterpret_cast<const double*>(static_cast<const float*>(rb.x[r]) + 2 * (g * gkp + j));
+            const __m256 xj = _mm256_castpd_ps(_mm256_broadcast_sd(x));
+            for (int i = 0; i < 2; ++i) acc[r][i] = _mm256_fmadd_ps(v[i], xj, acc[r][i]);
           }
         }
         const Fold8 f = fold_of(gw, 16 * t + 8 * half);

@@ -245,6 +245,27 @@ void many_rows_q4_f32(const PackedWeight& w, const Inputs& in, const LinearArgs&
     }
   });
 }
+
+// Q8 and Q6 weights, float32 products, many rows: as many_rows_q4_f32, over their 8-bit codes (block_q8_f32); a Q6
+// pair's codes decoded once into Q8 vectors for all its row blocks (a 2048 x 8192 pair: 256 KiB, in L2).
+void many_rows_q8_f32(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
+  const int64_t kp = w.k_pad / 2;
+  const int8_t* codes = static_cast<const int8_t*>(w.data) + p * kp * 64;
+  if (w.format == WeightFormat::Q6) {
+    thread_local AlignedBuffer<int8_t> decoded;  // each thread's own; kept between calls
+    if (decoded.size() < static_cast<size_t>(kp * 64)) decoded.resize(kp * 64);
+    decode_q6(q6_group(w, p * kp * 2), kp / 2, decoded.data());
+    codes = decoded.data();
+  }
+  pair_in_row_blocks<4>(w, in.f32.data(), in, a, rr, p, [&](int rows, const RowBlock& rb) {
+    switch (rows) {
+      case 1: block_q8_f32<1>(w, p, codes, rb); break;
+      case 2: block_q8_f32<2>(w, p, codes, rb); break;
+      case 3: block_q8_f32<3>(w, p, codes, rb); break;
+      default: block_q8_f32<4>(w, p, codes, rb); break;
+    }
+  });
+}
 #endif
 
 // The rows of `pairs` (1 or kMaxPairs) tile pairs from pair p.
@@ -294,6 +315,10 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
     }
     if (w.format == WeightFormat::Q4 && !one_block) {
       for (int q = 0; q < P; ++q) many_rows_q4_f32(w, in, a, rr, p + q);
+      return;
+    }
+    if ((w.format == WeightFormat::Q8 || w.format == WeightFormat::Q6) && !one_block) {
+      for (int q = 0; q < P; ++q) many_rows_q8_f32(w, in, a, rr, p + q);
       return;
     }
     if (quantized && rr.size() == 1) {  // one row (a decode step of one sequence): codes read as stored
