@@ -6,8 +6,9 @@ and its RSS says more about the largest burst so far than about what it holds. `
 pages of every arena back. The engine calls `idle()` on each tick it waits with nothing to do, and `busy()` when it
 works; a trim runs once per idle period, so it never sits between two steps. Loading a model is such a burst too
 (a GGUF's blocks are shuffled into the kernels' layout through megabytes of temporaries per tensor, 0.6 GB left in the
-arenas for a 1.7B model): the loader calls `trim_heap()` once it is done, before the KV pool is allocated. Where the
-C library has no malloc_trim (musl, macOS), this does nothing.
+arenas for a 1.7B model): the loader calls `trim_heap()` once it is done, and the engine's start once more after the
+grammar tables are built (a 49k-token vocabulary's build leaves ~50 MB), both before the KV pool is allocated. Where
+the C library has no malloc_trim (musl, macOS), this does nothing.
 """
 
 from __future__ import annotations
