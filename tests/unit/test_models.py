@@ -227,17 +227,17 @@ def test_smollm2_greedy_tokens_and_logits_equal_transformers(
 def test_native_stack_gives_the_layer_loops_bits(arch: str, dtype: str, quantization: str, tmp_path: Path,
                                                  smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
     """Every layer in one native call (the GIL released once) computes exactly what the Python loop over layers
-    computes: a prefill chunk, then decodes."""
+    computes: a prefill chunk (200 rows: its MLP in the stack's chunks of 128, the last partial), then decodes."""
     config = tiny_configs()[arch]
     path = save_random(config, tmp_path / arch, smollm2_tokenizer)
     model = load_model(ModelConfig(path=str(path), dtype=dtype, device="cpu", quantization=quantization)).model
     assert isinstance(model, LlamaForCausalLM)
-    tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    tokens = torch.randint(0, 512, (207,), generator=torch.Generator().manual_seed(4)).tolist()
     stacked = PagedRun.create(model, len(tokens))  # make_attention binds the native stack to this cache
     if not native.available():
         pytest.skip("the native kernels do not build here")
     assert model._stack is not None and model._stack.backend is stacked.attention
-    steps = [(33, 0)] + [(i + 1, i) for i in range(33, 40)]
+    steps = [(200, 0)] + [(i + 1, i) for i in range(200, 207)]
     with_stack = [stacked.logits(tokens[:end], start) for end, start in steps]
     model._stack = None  # the Python loop over layers, on a cache of its own
     looped = PagedRun(model, stacked.pages, select_backend(model.attention_shape, model.rope, model.dtype,
