@@ -114,8 +114,8 @@ void run_block(int rows, const Source* src, int64_t groups, int64_t gkp, const R
 // ---- the product ------------------------------------------------------------------------------------------------
 
 #if LMRPC_AVX512
-// Q8 (and Q6) weights without expanded codes (as with --no-expand-codes), bf16 products, many rows: per chunk of rows,
-// per group, expand the group once (L1) and run every row block of the chunk over it, the running sums in memory.
+// Q8 (and Q6) weights without expanded codes (as with --no-expand-codes), bf16 products, many rows: per chunk of
+// rows, per group, expand the group once (L1) and run every row block of the chunk over it, the running sums in memory.
 template <int P>
 void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
                          const Q4Table& table, AlignedBuffer<uint16_t>& buffer) {

@@ -109,7 +109,8 @@ class PackedLinear {
         w_.int8 = true;
       }
     }
-    // Q8 and Q6 products of many rows read these; Q4 ones expand their 4-bit codes in registers (block_q4), which is faster.
+    // Q8 and Q6 products of many rows read these; Q4 ones expand their 4-bit codes in registers (block_q4), which is
+    // faster.
     const bool eight_bit = fmt == lmrpc::WeightFormat::Q8 || fmt == lmrpc::WeightFormat::Q6;
     if (expand_codes && eight_bit && compute_ == lmrpc::Compute::BF16 && lmrpc::native_bf16()) {
       if (codes.has_value()) {  // the caller's buffer (huge pages: kernels/hugepages.py)
