@@ -223,7 +223,8 @@ struct GroupWeights {
 };
 
 // Group g of tile pair `pair`: its values and where its scales and offsets are.
-inline GroupWeights group_weights(const PackedWeight& w, int64_t pair, int64_t groups, int64_t g, const void* values) {
+LMRPC_INLINE GroupWeights group_weights(const PackedWeight& w, int64_t pair, int64_t groups, int64_t g,
+                                        const void* values) {
   const int64_t at = (pair * groups + g) * 32;
   if (!w.k_scaled()) return {values, w.scale + at, w.offset != nullptr ? w.offset + at : nullptr};
   const int64_t sg = w.ks.super_groups, sat = (pair * (groups / sg) + g / sg) * 32;
@@ -249,13 +250,13 @@ inline float lane_offset(const GroupWeights& gw, int l) {
 
 #if LMRPC_AVX512
 // Tile t's 16 scales and offsets, as lane_scale and lane_offset compute them.
-inline __m512 scale_x16(const GroupWeights& gw, int t) {
+LMRPC_INLINE __m512 scale_x16(const GroupWeights& gw, int t) {
   if (gw.kd == nullptr) return load_halfx16(gw.scale + 16 * t);
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.ksc + 16 * t));
   const __m512i sc = gw.ksigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
   return _mm512_mul_ps(load_halfx16(gw.kd + 16 * t), _mm512_cvtepi32_ps(sc));
 }
-inline __m512 offset_x16(const GroupWeights& gw, int t) {
+LMRPC_INLINE __m512 offset_x16(const GroupWeights& gw, int t) {
   if (gw.kd == nullptr) return load_halfx16(gw.offset + 16 * t);
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.km + 16 * t));
   const __m512 dm = _mm512_mul_ps(load_halfx16(gw.kdmin + 16 * t), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));

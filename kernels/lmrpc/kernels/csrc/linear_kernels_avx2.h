@@ -21,9 +21,6 @@
 namespace lmrpc::linear_detail {
 
 #if LMRPC_AVX2
-// The folds run once per group and 8 outputs beside a few dozen multiply-adds: a call each cost 3% of a decode step.
-#define LMRPC_INLINE inline __attribute__((always_inline))
-
 // Lanes l0 .. l0 + 7 of a group's scales and offsets, as lane_scale and lane_offset compute them.
 LMRPC_INLINE __m256 scale_x8(const GroupWeights& gw, int l0) {
   if (gw.kd == nullptr) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.scale + l0)));
