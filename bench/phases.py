@@ -2,7 +2,7 @@
 and the rest. Engine alone (no gRPC), the bundled model at its defaults unless told otherwise.
 
     .venv/bin/python bench/phases.py [--streams 32] [--prompt-len 128] [--new-tokens 128] [--quantization auto]
-                                     [--repeats 3]
+                                     [--repeats 3] [--model FILE] [--no-expand-codes]
 
 Each repeat sends --streams requests of random token ids at once (greedy, EOS ignored, prefix cache off so every
 repeat prefills), after one untimed warm-up run. Per repeat it prints wall time and tok/s, then per kind of step
@@ -93,11 +93,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--int8-activations", action="store_true",
                         help="int4 products take int8 activations (as the server's flag)")
+    parser.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the bundled model)")
+    parser.add_argument("--no-expand-codes", dest="expand_codes", action="store_false",
+                        help="8-bit weights keep no bfloat16 copy of their codes (as the server's flag)")
     args = parser.parse_args()
 
     tokens = args.streams * (args.prompt_len + args.new_tokens + 64)
     config = EngineConfig(
-        model=ModelConfig(quantization=args.quantization, int8_activations=args.int8_activations),
+        model=ModelConfig(path=args.model, quantization=args.quantization, int8_activations=args.int8_activations,
+                          expand_codes=args.expand_codes),
         cache=CacheConfig(num_tokens=tokens, enable_prefix_cache=False),
         sampling_defaults="openai",  # no model-side defaults (a repetition penalty, say) on top of plain greedy
     )

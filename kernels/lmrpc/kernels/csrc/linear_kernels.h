@@ -1,6 +1,6 @@
 // Micro-kernels of the row-invariant products (run by linear_products.cpp): R rows x P tile pairs over every group
 // in AVX512-BF16 registers, AVX2 registers (linear_kernels_avx2.h) or portable loops, and Q4 codes expanded in
-// registers for R rows (block_q4) or one (one_row_q4_bf16).
+// registers for R rows (block_q4) or one (one_row_q4_bf16; Q6 codes: one_row_q6_bf16).
 #pragma once
 
 #include <cmath>
@@ -342,6 +342,103 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
     __m512 a[2 * P];
     for (int i = 0; i < 2 * P; ++i) a[i] = _mm512_setzero_ps();
     for (int c = 0; c < 8; ++c) chunk(a, g, c);
+    fold(a, g);
+  }
+  for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(out + 16 * i, Y[i]);
+}
+#endif
+
+#if LMRPC_AVX512
+// bf16 values of a Q6 weight's 64 stored codes (code - 32), the two 32-entry halves of a vpermi2w table.
+struct Q6Table {
+  alignas(64) uint16_t bf16[64];
+  Q6Table() {
+    for (int c = 0; c < 64; ++c) bf16[c] = f32_to_bf16(static_cast<float>(c - 32));
+  }
+};
+
+// A Q6 unit's four kpair vectors (linear.h) as bf16, decoded in registers: in each 16-bit lane the code's low
+// nibble lands in bits 0-3 and its top two bits in bits 4-5 of a table index (vpermi2w reads only bits 0-5).
+LMRPC_INLINE void q6_unit_bf16(const uint8_t* unit, __m512i lut_lo, __m512i lut_hi, __m512i (&v)[4]) {
+  const __m512i nibble = _mm512_set1_epi16(0x0f);
+  const __m512i a = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 32)));
+  const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 64)));
+  // 0xca: the second operand's bits where the first (nibble) has ones, the third's elsewhere
+  const auto code = [&](__m512i low, __m512i top) {
+    return _mm512_permutex2var_epi16(lut_lo, _mm512_ternarylogic_epi32(nibble, low, top, 0xca), lut_hi);
+  };
+  v[0] = code(a, _mm512_slli_epi16(h, 4));
+  v[1] = code(_mm512_srli_epi16(a, 4), _mm512_slli_epi16(h, 2));
+  v[2] = code(b, h);
+  v[3] = code(_mm512_srli_epi16(b, 4), _mm512_srli_epi16(h, 2));
+}
+
+// One row, Q6, bf16 products: each unit's codes decoded in registers and used at once (against decoding a group to
+// 8-bit codes, then to bf16 in a buffer: 1.7B Q4_K_M's Q6_K output head and down projections), two groups' sums side
+// by side. Per output the operations are one_row_quantized_bf16's: each group's kpairs in order in one sum, folded
+// in group order.
+template <int P>
+void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, const uint16_t* x, const float* sums,
+                     float* out) {
+  const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
+  const int64_t units = gkp / 2, group_bytes = units * kQ6UnitBytes;  // a unit: kpairs 2u and 2u + 1, both tiles
+  const __m512i lut_lo = _mm512_load_si512(table.bf16), lut_hi = _mm512_load_si512(table.bf16 + 32);
+  const uint8_t* pairs[P];  // each pair's first group
+  for (int q = 0; q < P; ++q) pairs[q] = q6_group(w, PairIndex{&w, p + q, groups, gkp, kp}.vectors(0));
+  __m512 Y[2 * P];
+  for (int i = 0; i < 2 * P; ++i) Y[i] = _mm512_setzero_ps();
+  auto fold = [&](const __m512 (&acc)[2 * P], int64_t g) {
+    for (int q = 0; q < P; ++q) {
+      const GroupWeights gw = group_weights(w, p + q, groups, g, nullptr);
+      for (int t = 0; t < 2; ++t) {
+        const int i = 2 * q + t;
+        Y[i] = _mm512_fmadd_ps(acc[i], scale_x16(gw, t), Y[i]);
+        if (gw.has_offset()) {
+          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(sums[g]), offset_x16(gw, t), Y[i]);
+        }
+      }
+    }
+  };
+  auto unit = [&](__m512 (&acc)[2 * P], int64_t g, int64_t u) {
+    int32_t p0, p1;
+    std::memcpy(&p0, x + 2 * (g * gkp + 2 * u), 4);
+    std::memcpy(&p1, x + 2 * (g * gkp + 2 * u + 1), 4);
+    const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
+    const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
+    for (int q = 0; q < P; ++q) {
+      __m512i v[4];  // kpair 2u tile 0, tile 1; kpair 2u + 1 tile 0, tile 1
+      q6_unit_bf16(pairs[q] + g * group_bytes + u * kQ6UnitBytes, lut_lo, lut_hi, v);
+      acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(v[0]), x0);
+      acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(v[1]), x0);
+      acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(v[2]), x1);
+      acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(v[3]), x1);
+    }
+  };
+  auto prefetch = [&](int64_t g) {  // the group kPrefetchGroups ahead, as prefetch_q4_ahead
+    for (int q = 0; q < P; ++q)
+      for (int64_t line = 0; line < group_bytes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(pairs[q] + (g + kPrefetchGroups) * group_bytes + line),
+                     _MM_HINT_T0);
+      }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    prefetch(g);
+    prefetch(g + 1);
+    __m512 a[2 * P], b[2 * P];
+    for (int i = 0; i < 2 * P; ++i) a[i] = b[i] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      unit(a, g, u);
+      unit(b, g + 1, u);
+    }
+    fold(a, g);
+    fold(b, g + 1);
+  }
+  for (; g < groups; ++g) {
+    __m512 a[2 * P];
+    for (int i = 0; i < 2 * P; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) unit(a, g, u);
     fold(a, g);
   }
   for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(out + 16 * i, Y[i]);

@@ -298,10 +298,16 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
       }
       return;
     }
-    if (w.format == WeightFormat::Q4 && rr.size() == 1) {
+    if ((w.format == WeightFormat::Q4 || w.format == WeightFormat::Q6) && rr.size() == 1) {
       alignas(64) float row[32 * kMaxPairs];
-      one_row_q4_bf16<P>(w, p, table, in.bf16.data() + rr.begin * w.k_pad,
-                         w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr, row);
+      const uint16_t* x = in.bf16.data() + rr.begin * w.k_pad;
+      const float* sums = w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr;
+      if (w.format == WeightFormat::Q4) {
+        one_row_q4_bf16<P>(w, p, table, x, sums, row);
+      } else {
+        static const Q6Table q6_table;
+        one_row_q6_bf16<P>(w, p, q6_table, x, sums, row);
+      }
       epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
       return;
     }
