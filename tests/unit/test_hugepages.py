@@ -116,3 +116,21 @@ def test_products_over_placed_weights_have_the_same_bits(kind: str, rows: int) -
     placed = NativeLinear(weight, Compute.BF16, expand_codes=True, arena=hugepages.Arena())
     assert placed.weight.data.data_ptr() != weight.data.data_ptr()
     assert torch.equal(plain(x), placed(x))
+
+
+def test_int8_weights_keep_copies_of_their_codes_only_within_the_models_budget() -> None:
+    """A large int8 model must not load as a bf16 copy of itself: the first weights built take copies of their codes
+    until the model's budget is spent, the rest go without, and the products' bits are the same either way."""
+    from lmrpc.server.models.quantized import CodesBudget, LinearBuilder, Quantization
+
+    torch.manual_seed(0)
+    dense = torch.randn(64, 96) * 0.05
+    copy = 2 * 64 * 96  # a bf16 copy of the codes of one such weight
+    builder = LinearBuilder(Quantization.INT8, torch.bfloat16, torch.device("cpu"), native=True,
+                            codes_budget=CodesBudget(2 * copy + copy // 2))
+    layers = [builder.build(dense) for _ in range(3)]
+    assert layers[0].weight.n_pad * layers[0].weight.k_pad == 64 * 96
+    assert [layer.nbytes - layers[2].nbytes for layer in layers] == [copy, copy, 0]
+    assert builder.codes_budget.left == copy // 2
+    x = torch.randn(9, 96)  # products of many rows: the ones that read the copy
+    assert torch.equal(layers[0](x), layers[2](x))

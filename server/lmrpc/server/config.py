@@ -30,9 +30,10 @@ class ModelConfig:
     # weight-only quantization of the linear layers, one of QUANTIZATIONS; auto: a GGUF file's own formats where a
     # kernel exists (the bundled model: its Q4_1 blocks), else none (see models/quantized.py)
     quantization: str = "auto"
-    # int8 (Q8) weights also keep their codes expanded to bfloat16 (2 bytes per weight more): products over more
-    # than two rows read those instead of expanding the codes on every call (int4 weights expand theirs in
-    # registers, which is faster than reading such a copy). The same results either way.
+    # int8 (Q8) weights also keep their codes expanded to bfloat16 (2 bytes per weight more), up to 128 MiB a model
+    # (models/quantized.py: EXPANDED_CODES_BUDGET): products over more than two rows read those instead of making
+    # the codes bf16 on every call (int4 weights expand theirs in registers, which is faster than reading such a
+    # copy). The same results either way.
     expand_codes: bool = True
     # 4-bit weights, with bfloat16 compute on CPUs with AVX512-VNNI or float32 compute on AVX2 CPUs: activations
     # enter the products as int8 (per row and group of 32 inputs, one scale), each group summed exactly in integers:

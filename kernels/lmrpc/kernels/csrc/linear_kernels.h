@@ -374,6 +374,56 @@ LMRPC_INLINE void q6_unit_bf16(const uint8_t* unit, __m512i lut_lo, __m512i lut_
   v[3] = code(_mm512_srli_epi16(b, 4), _mm512_srli_epi16(h, 2));
 }
 
+// 32 8-bit codes (a kpair vector) as bf16, in registers: the values expand_q8 writes.
+LMRPC_INLINE __m512i q8_vector_bf16(const int8_t* codes) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// R rows x one tile pair of Q8 or Q6 weights over every group, four kpair vectors at a time (kpairs 2u and 2u + 1,
+// both tiles; a Q6 unit) made bf16 in registers and used by all R rows: the operations of block_bf16<R, 1, true>
+// over expanded codes, without a copy of 2 bytes a weight.
+template <int R, bool kQ6>
+void block_codes(const PackedWeight& w, int64_t p, const Q6Table& table, int64_t groups, const RowBlock& rb) {
+  const int64_t gkp = w.group / 2;
+  const PairIndex at{&w, p, groups, gkp, w.k_pad / 2};
+  const __m512i lut_lo = _mm512_load_si512(table.bf16), lut_hi = _mm512_load_si512(table.bf16 + 32);
+  __m512 Y[R][2];
+  for (int r = 0; r < R; ++r) Y[r][0] = Y[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupWeights gw[1] = {group_weights(w, p, groups, g, nullptr)};
+    const int64_t first = at.vectors(g);
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < gkp / 2; ++u) {
+      __m512i v[4];  // kpair 2u tile 0, tile 1; kpair 2u + 1 tile 0, tile 1
+      if constexpr (kQ6) {
+        q6_unit_bf16(q6_group(w, first) + u * kQ6UnitBytes, lut_lo, lut_hi, v);
+      } else {
+        const int8_t* codes = static_cast<const int8_t*>(w.data) + (first + 4 * u) * 32;
+        for (int i = 0; i < 4; ++i) v[i] = q8_vector_bf16(codes + 32 * i);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t p0, p1;
+        const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + 2 * (g * gkp + 2 * u);
+        std::memcpy(&p0, x, 4);
+        std::memcpy(&p1, x + 2, 4);
+        const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
+        const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[0]), x0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[1]), x0);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[2]), x1);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[3]), x1);
+      }
+    }
+    fold_group<R, 1, true>(Y, acc, gw, rb, g);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2; ++i) _mm512_storeu_ps(rb.out[r] + 16 * i, Y[r][i]);
+}
+
 // One row, Q6, bf16 products: each unit's codes decoded in registers and used at once (against decoding a group to
 // 8-bit codes, then to bf16 in a buffer: 1.7B Q4_K_M's Q6_K output head and down projections), two groups' sums side
 // by side. Per output the operations are one_row_quantized_bf16's: each group's kpairs in order in one sum, folded

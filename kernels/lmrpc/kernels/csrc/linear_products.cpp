@@ -220,6 +220,35 @@ void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& 
     }
   });
 }
+
+// Q8 and Q6 weights without expanded codes, bf16 products, many rows: as many_rows_codes, each unit of four kpair
+// vectors made bf16 in registers once per block of rows (block_codes).
+void many_rows_codes_in_registers(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr,
+                                  int64_t p) {
+  static const Q6Table table;
+  const int64_t groups = w.k_pad / w.group;
+  pair_in_row_blocks(w, in.bf16.data(), in, a, rr, p, [&](int rows, const RowBlock& rb) {
+    if (w.format == WeightFormat::Q6) {
+      switch (rows) {
+        case 1: block_codes<1, true>(w, p, table, groups, rb); break;
+        case 2: block_codes<2, true>(w, p, table, groups, rb); break;
+        case 3: block_codes<3, true>(w, p, table, groups, rb); break;
+        case 4: block_codes<4, true>(w, p, table, groups, rb); break;
+        case 5: block_codes<5, true>(w, p, table, groups, rb); break;
+        default: block_codes<6, true>(w, p, table, groups, rb); break;
+      }
+    } else {
+      switch (rows) {
+        case 1: block_codes<1, false>(w, p, table, groups, rb); break;
+        case 2: block_codes<2, false>(w, p, table, groups, rb); break;
+        case 3: block_codes<3, false>(w, p, table, groups, rb); break;
+        case 4: block_codes<4, false>(w, p, table, groups, rb); break;
+        case 5: block_codes<5, false>(w, p, table, groups, rb); break;
+        default: block_codes<6, false>(w, p, table, groups, rb); break;
+      }
+    }
+  });
+}
 #endif
 
 #if LMRPC_AVX2
@@ -293,6 +322,8 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
         for (int q = 0; q < P; ++q) many_rows_q4(w, in, a, rr, p + q, table);
       } else if (w.codes != nullptr) {
         for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, rr, p + q);
+      } else if (w.format == WeightFormat::Q8 || w.format == WeightFormat::Q6) {
+        for (int q = 0; q < P; ++q) many_rows_codes_in_registers(w, in, a, rr, p + q);
       } else {
         many_rows_quantized<P>(w, in, a, rr, p, table, buffer);
       }
