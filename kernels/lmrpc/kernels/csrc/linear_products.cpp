@@ -223,30 +223,26 @@ void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& 
 
 // Q8 and Q6 weights without expanded codes, bf16 products, many rows: as many_rows_codes, each unit of four kpair
 // vectors made bf16 in registers once per block of rows (block_codes).
+template <bool kQ6>
+void codes_in_registers(int rows, const PackedWeight& w, int64_t p, const Q6Table& table, int64_t groups,
+                        const RowBlock& rb) {
+  switch (rows) {
+    case 1: block_codes<1, kQ6>(w, p, table, groups, rb); break;
+    case 2: block_codes<2, kQ6>(w, p, table, groups, rb); break;
+    case 3: block_codes<3, kQ6>(w, p, table, groups, rb); break;
+    case 4: block_codes<4, kQ6>(w, p, table, groups, rb); break;
+    case 5: block_codes<5, kQ6>(w, p, table, groups, rb); break;
+    default: block_codes<6, kQ6>(w, p, table, groups, rb); break;
+  }
+}
+
 void many_rows_codes_in_registers(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr,
                                   int64_t p) {
   static const Q6Table table;
   const int64_t groups = w.k_pad / w.group;
   pair_in_row_blocks(w, in.bf16.data(), in, a, rr, p, [&](int rows, const RowBlock& rb) {
-    if (w.format == WeightFormat::Q6) {
-      switch (rows) {
-        case 1: block_codes<1, true>(w, p, table, groups, rb); break;
-        case 2: block_codes<2, true>(w, p, table, groups, rb); break;
-        case 3: block_codes<3, true>(w, p, table, groups, rb); break;
-        case 4: block_codes<4, true>(w, p, table, groups, rb); break;
-        case 5: block_codes<5, true>(w, p, table, groups, rb); break;
-        default: block_codes<6, true>(w, p, table, groups, rb); break;
-      }
-    } else {
-      switch (rows) {
-        case 1: block_codes<1, false>(w, p, table, groups, rb); break;
-        case 2: block_codes<2, false>(w, p, table, groups, rb); break;
-        case 3: block_codes<3, false>(w, p, table, groups, rb); break;
-        case 4: block_codes<4, false>(w, p, table, groups, rb); break;
-        case 5: block_codes<5, false>(w, p, table, groups, rb); break;
-        default: block_codes<6, false>(w, p, table, groups, rb); break;
-      }
-    }
+    if (w.format == WeightFormat::Q6) codes_in_registers<true>(rows, w, p, table, groups, rb);
+    else codes_in_registers<false>(rows, w, p, table, groups, rb);
   });
 }
 #endif
