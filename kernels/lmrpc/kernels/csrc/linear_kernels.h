@@ -294,7 +294,7 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
   const __m512i low = _mm512_set1_epi16(0x0f);
   __m512 Y[2 * P];
   for (int i = 0; i < 2 * P; ++i) Y[i] = _mm512_setzero_ps();
-  auto fold = [&](const __m512 (&acc)[2 * P], int64_t g) {
+  auto fold = [&](const __m512 (&acc)[2 * P], int64_t g) LMRPC_LAMBDA_INLINE {
     for (int q = 0; q < P; ++q) {
       const GroupWeights gw = group_weights(w, p + q, groups, g, nullptr);
       for (int t = 0; t < 2; ++t) {
@@ -438,7 +438,7 @@ void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, con
   for (int q = 0; q < P; ++q) pairs[q] = q6_group(w, PairIndex{&w, p + q, groups, gkp, kp}.vectors(0));
   __m512 Y[2 * P];
   for (int i = 0; i < 2 * P; ++i) Y[i] = _mm512_setzero_ps();
-  auto fold = [&](const __m512 (&acc)[2 * P], int64_t g) {
+  auto fold = [&](const __m512 (&acc)[2 * P], int64_t g) LMRPC_LAMBDA_INLINE {
     for (int q = 0; q < P; ++q) {
       const GroupWeights gw = group_weights(w, p + q, groups, g, nullptr);
       for (int t = 0; t < 2; ++t) {
