@@ -15,49 +15,6 @@ namespace lmrpc::linear_detail {
 
 namespace {
 
-// ---- many rows: group-outer, running sums Y in memory ---------------------------------------------------------
-// The same operations as block_* (a group's kpairs in one running sum, then the fold), with Y kept in an L1 buffer
-// between groups, so one expanded group (P pairs, 4 KiB for bf16) serves a whole chunk of rows from L1.
-
-#if LMRPC_AVX512
-template <int R, int P>
-void group_rows_bf16(const GroupWeights (&gw)[P], const uint16_t* const* x, const float* const* sums, int64_t g,
-                     int64_t gkp, float* const* Y) {
-  __m512 acc[R][2 * P];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_setzero_ps();
-  const uint16_t* w[P];
-  for (int q = 0; q < P; ++q) w[q] = static_cast<const uint16_t*>(gw[q].w);
-  const uint16_t* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = x[r];
-#pragma GCC unroll 2
-  for (int64_t j = 0; j < gkp; ++j) {
-    // The tiles' vectors for this kpair, loaded once and kept in registers for every row.
-    __m512i wv[2 * P];
-    for (int q = 0; q < P; ++q) {
-      wv[2 * q] = _mm512_loadu_si512(w[q] + 64 * j);
-      wv[2 * q + 1] = _mm512_loadu_si512(w[q] + 64 * j + 32);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr[r] + 2 * j)));
-      for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], reinterpret_cast<__m512bh>(wv[i]), xb);
-    }
-  }
-  for (int q = 0; q < P; ++q)
-    for (int t = 0; t < 2; ++t) {
-      const int i = 2 * q + t;
-      const __m512 sc = scale_x16(gw[q], t);
-      for (int r = 0; r < R; ++r) {
-        __m512 y = _mm512_fmadd_ps(acc[r][i], sc, _mm512_loadu_ps(Y[r] + 16 * i));
-        if (gw[q].has_offset()) {
-          y = _mm512_fmadd_ps(_mm512_set1_ps(sums[r][g]), offset_x16(gw[q], t), y);
-        }
-        _mm512_storeu_ps(Y[r] + 16 * i, y);
-      }
-    }
-}
-#endif
-
 // How many rows share a register block: as many as fit beside their sums (quantized products keep a running
 // total per group besides the group's sum).
 // AVX2: every block, its rows two at a time per tile (block_avx2), so a block of kMaxRows reads each expanded
@@ -68,9 +25,6 @@ constexpr int block_rows(bool quantized) {
   if constexpr (sizeof(T) == 2) return quantized ? 2 : 4;
   return 2;
 }
-
-constexpr int64_t kRowChunk = 64;  // many rows, quantized: rows whose running sums share one expanded group
-constexpr int kGroupRows = 4;      // rows per call of group_rows_bf16 (its instantiations go up to 4)
 
 template <typename T, int P, bool Q, typename Source>
 void run_block(int rows, const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
@@ -112,51 +66,6 @@ void run_block(int rows, const Source* src, int64_t groups, int64_t gkp, const R
 }
 
 // ---- the product ------------------------------------------------------------------------------------------------
-
-#if LMRPC_AVX512
-// Q8 (and Q6) weights without expanded codes (as with --no-expand-codes), bf16 products, many rows: per chunk of
-// rows, per group, expand the group once (L1) and run every row block of the chunk over it, the running sums in memory.
-template <int P>
-void many_rows_quantized(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p,
-                         const Q4Table& table, AlignedBuffer<uint16_t>& buffer) {
-  const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2;
-  if (buffer.size() < static_cast<size_t>(2 * P * gkp * 64)) buffer.resize(2 * P * gkp * 64);
-  AlignedBuffer<float> Y;
-  for (int64_t c0 = rr.begin; c0 < rr.end; c0 += kRowChunk) {
-    const int64_t rows = std::min<int64_t>(kRowChunk, rr.end - c0);
-    Y.resize(kRowChunk * 32 * kMaxPairs, true);
-    ExpandSource<uint16_t> src[P];
-    for (int q = 0; q < P; ++q) {
-      src[q] = {PairIndex{&w, p + q, groups, gkp, kp}, &table, buffer.data() + 2 * q * gkp * 64};
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      GroupWeights gw[P];
-      for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
-      for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
-        const int n = static_cast<int>(std::min<int64_t>(kGroupRows, rows - r0));
-        const uint16_t* x[kMaxRows];
-        const float* sums[kMaxRows];
-        float* y[kMaxRows];
-        for (int r = 0; r < n; ++r) {
-          x[r] = in.bf16.data() + (c0 + r0 + r) * w.k_pad + 2 * g * gkp;
-          sums[r] = w.has_offsets() ? in.sums.data() + (c0 + r0 + r) * groups : nullptr;
-          y[r] = Y.data() + (r0 + r) * 32 * kMaxPairs;
-        }
-        switch (n) {
-          case 1: group_rows_bf16<1, P>(gw, x, sums, g, gkp, y); break;
-          case 2: group_rows_bf16<2, P>(gw, x, sums, g, gkp, y); break;
-          case 3: group_rows_bf16<3, P>(gw, x, sums, g, gkp, y); break;
-          default: group_rows_bf16<4, P>(gw, x, sums, g, gkp, y); break;
-        }
-      }
-    }
-    for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
-      const int n = static_cast<int>(std::min<int64_t>(kGroupRows, rows - r0));
-      epilogue(w, a, c0 + r0, n, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(Y.data() + r0 * 32 * kMaxPairs));
-    }
-  }
-}
-#endif
 
 #if LMRPC_AVX512 || LMRPC_AVX2
 // Every row of tile pair p in blocks of up to kRows rows of xq (the inputs as the products read them, bf16 or
@@ -318,10 +227,8 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
         for (int q = 0; q < P; ++q) many_rows_q4(w, in, a, rr, p + q, table);
       } else if (w.codes != nullptr) {
         for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, rr, p + q);
-      } else if (w.format == WeightFormat::Q8 || w.format == WeightFormat::Q6) {
+      } else {  // Q8 or Q6 without a copy
         for (int q = 0; q < P; ++q) many_rows_codes_in_registers(w, in, a, rr, p + q);
-      } else {
-        many_rows_quantized<P>(w, in, a, rr, p, table, buffer);
       }
       return;
     }
