@@ -357,6 +357,12 @@ struct Q6Table {
   }
 };
 
+// The one table every Q6 kernel reads (built on first use).
+inline const Q6Table& q6_table() {
+  static const Q6Table table;
+  return table;
+}
+
 // A Q6 unit's four kpair vectors (linear.h) as bf16, decoded in registers: in each 16-bit lane the code's low
 // nibble lands in bits 0-3 and its top two bits in bits 4-5 of a table index (vpermi2w reads only bits 0-5).
 LMRPC_INLINE void q6_unit_bf16(const uint8_t* unit, __m512i lut_lo, __m512i lut_hi, __m512i (&v)[4]) {

@@ -147,7 +147,7 @@ void codes_in_registers(int rows, const PackedWeight& w, int64_t p, const Q6Tabl
 
 void many_rows_codes_in_registers(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr,
                                   int64_t p) {
-  static const Q6Table table;
+  const Q6Table& table = q6_table();
   const int64_t groups = w.k_pad / w.group;
   pair_in_row_blocks(w, in.bf16.data(), in, a, rr, p, [&](int rows, const RowBlock& rb) {
     if (w.format == WeightFormat::Q6) codes_in_registers<true>(rows, w, p, table, groups, rb);
@@ -239,8 +239,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
       if (w.format == WeightFormat::Q4) {
         one_row_q4_bf16<P>(w, p, table, x, sums, row);
       } else {
-        static const Q6Table q6_table;
-        one_row_q6_bf16<P>(w, p, q6_table, x, sums, row);
+        one_row_q6_bf16<P>(w, p, q6_table(), x, sums, row);
       }
       epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
       return;
