@@ -282,16 +282,15 @@ void one_row_quantized_bf16(const Source* src, int64_t groups, int64_t gkp, cons
 #endif
 
 #if LMRPC_AVX512
-// One row, Q4, bf16 products: codes are expanded in registers and used at once (no buffer), and two groups' sums
-// run side by side. Per output the operations are those of the expanded path: each group's kpairs in order in one
-// sum, folded in group order.
-template <int P>
-void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, const uint16_t* x, const float* sums,
-                     float* out) {
+// One row of P tile pairs of a grouped quantized weight (Q4 blocks or Q6 units), bf16 products with codes decoded in
+// registers and used at once (no buffer): two groups' sums run side by side (one sum per group is a chain of
+// dependent dot products) and are folded in group order, so per output the operations are those of the expanded
+// path, each group's kpairs in order in one sum. piece(acc, g, i) adds the group's i-th of `pieces` runs of kpairs
+// to acc [2 * P] (both tiles of every pair); prefetch(g) asks for the codes a few groups ahead.
+template <int P, typename Piece, typename Prefetch>
+LMRPC_INLINE void one_row_grouped(const PackedWeight& w, int64_t p, int64_t pieces, const float* sums, float* out,
+                                  Piece&& piece, Prefetch&& prefetch) {
   const int64_t groups = w.k_pad / w.group;
-  const uint8_t* data = static_cast<const uint8_t*>(w.data);
-  const __m512i lut = _mm512_load_si512(table.bf16);
-  const __m512i low = _mm512_set1_epi16(0x0f);
   __m512 Y[2 * P];
   for (int i = 0; i < 2 * P; ++i) Y[i] = _mm512_setzero_ps();
   auto fold = [&](const __m512 (&acc)[2 * P], int64_t g) LMRPC_LAMBDA_INLINE {
@@ -306,8 +305,37 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
       }
     }
   };
-  // acc[i] += the group's kpairs 2c, 2c + 1 of chunk c, for every tile of the P pairs
-  auto chunk = [&](__m512 (&acc)[2 * P], int64_t g, int c) {
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    prefetch(g);
+    prefetch(g + 1);
+    __m512 a[2 * P], b[2 * P];
+    for (int i = 0; i < 2 * P; ++i) a[i] = b[i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pieces; ++i) {
+      piece(a, g, i);
+      piece(b, g + 1, i);
+    }
+    fold(a, g);
+    fold(b, g + 1);
+  }
+  for (; g < groups; ++g) {
+    __m512 a[2 * P];
+    for (int i = 0; i < 2 * P; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pieces; ++i) piece(a, g, i);
+    fold(a, g);
+  }
+  for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(out + 16 * i, Y[i]);
+}
+
+// One row, Q4: a group's pieces are its 8 chunks (kpairs 2c, 2c + 1 of both tiles).
+template <int P>
+void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, const uint16_t* x, const float* sums,
+                     float* out) {
+  const int64_t groups = w.k_pad / w.group;
+  const uint8_t* data = static_cast<const uint8_t*>(w.data);
+  const __m512i lut = _mm512_load_si512(table.bf16);
+  const __m512i low = _mm512_set1_epi16(0x0f);
+  auto chunk = [&](__m512 (&acc)[2 * P], int64_t g, int64_t c) LMRPC_LAMBDA_INLINE {
     int32_t p0, p1;
     std::memcpy(&p0, x + 2 * (16 * g + 2 * c), 4);
     std::memcpy(&p1, x + 2 * (16 * g + 2 * c + 1), 4);
@@ -316,35 +344,16 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
     for (int q = 0; q < P; ++q) {
       const uint8_t* group = data + ((p + q) * groups + g) * 512;
       for (int t = 0; t < 2; ++t) {
-        const Q4Chunk codes = q4_chunk(group, t, c, lut, low);
+        const Q4Chunk codes = q4_chunk(group, t, static_cast<int>(c), lut, low);
         acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], reinterpret_cast<__m512bh>(codes.lo), x0);
         acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], reinterpret_cast<__m512bh>(codes.hi), x1);
       }
     }
   };
-  auto prefetch = [&](int64_t g) {
+  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {
     for (int q = 0; q < P; ++q) prefetch_q4_ahead(data + ((p + q) * groups + g) * 512);
   };
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    prefetch(g);
-    prefetch(g + 1);
-    __m512 a[2 * P], b[2 * P];
-    for (int i = 0; i < 2 * P; ++i) a[i] = b[i] = _mm512_setzero_ps();
-    for (int c = 0; c < 8; ++c) {
-      chunk(a, g, c);
-      chunk(b, g + 1, c);
-    }
-    fold(a, g);
-    fold(b, g + 1);
-  }
-  for (; g < groups; ++g) {
-    __m512 a[2 * P];
-    for (int i = 0; i < 2 * P; ++i) a[i] = _mm512_setzero_ps();
-    for (int c = 0; c < 8; ++c) chunk(a, g, c);
-    fold(a, g);
-  }
-  for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(out + 16 * i, Y[i]);
+  one_row_grouped<P>(w, p, 8, sums, out, chunk, prefetch);
 }
 #endif
 
@@ -430,33 +439,17 @@ void block_codes(const PackedWeight& w, int64_t p, const Q6Table& table, int64_t
     for (int i = 0; i < 2; ++i) _mm512_storeu_ps(rb.out[r] + 16 * i, Y[r][i]);
 }
 
-// One row, Q6, bf16 products: each unit's codes decoded in registers and used at once (against decoding a group to
-// 8-bit codes, then to bf16 in a buffer: 1.7B Q4_K_M's Q6_K output head and down projections), two groups' sums side
-// by side. Per output the operations are one_row_quantized_bf16's: each group's kpairs in order in one sum, folded
-// in group order.
+// One row, Q6 (1.7B Q4_K_M's Q6_K output head and down projections): a group's pieces are its units (kpairs 2u and
+// 2u + 1 of both tiles), each decoded in registers (against a group decoded to 8-bit codes, then to bf16 in a buffer).
 template <int P>
 void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, const uint16_t* x, const float* sums,
                      float* out) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
-  const int64_t units = gkp / 2, group_bytes = units * kQ6UnitBytes;  // a unit: kpairs 2u and 2u + 1, both tiles
+  const int64_t units = gkp / 2, group_bytes = units * kQ6UnitBytes;
   const __m512i lut_lo = _mm512_load_si512(table.bf16), lut_hi = _mm512_load_si512(table.bf16 + 32);
   const uint8_t* pairs[P];  // each pair's first group
   for (int q = 0; q < P; ++q) pairs[q] = q6_group(w, PairIndex{&w, p + q, groups, gkp, kp}.vectors(0));
-  __m512 Y[2 * P];
-  for (int i = 0; i < 2 * P; ++i) Y[i] = _mm512_setzero_ps();
-  auto fold = [&](const __m512 (&acc)[2 * P], int64_t g) LMRPC_LAMBDA_INLINE {
-    for (int q = 0; q < P; ++q) {
-      const GroupWeights gw = group_weights(w, p + q, groups, g, nullptr);
-      for (int t = 0; t < 2; ++t) {
-        const int i = 2 * q + t;
-        Y[i] = _mm512_fmadd_ps(acc[i], scale_x16(gw, t), Y[i]);
-        if (gw.has_offset()) {
-          Y[i] = _mm512_fmadd_ps(_mm512_set1_ps(sums[g]), offset_x16(gw, t), Y[i]);
-        }
-      }
-    }
-  };
-  auto unit = [&](__m512 (&acc)[2 * P], int64_t g, int64_t u) {
+  auto unit = [&](__m512 (&acc)[2 * P], int64_t g, int64_t u) LMRPC_LAMBDA_INLINE {
     int32_t p0, p1;
     std::memcpy(&p0, x + 2 * (g * gkp + 2 * u), 4);
     std::memcpy(&p1, x + 2 * (g * gkp + 2 * u + 1), 4);
@@ -471,33 +464,14 @@ void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, con
       acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(v[3]), x1);
     }
   };
-  auto prefetch = [&](int64_t g) {  // the group kPrefetchGroups ahead, as prefetch_q4_ahead
+  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, as prefetch_q4_ahead
     for (int q = 0; q < P; ++q)
       for (int64_t line = 0; line < group_bytes; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(pairs[q] + (g + kPrefetchGroups) * group_bytes + line),
                      _MM_HINT_T0);
       }
   };
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    prefetch(g);
-    prefetch(g + 1);
-    __m512 a[2 * P], b[2 * P];
-    for (int i = 0; i < 2 * P; ++i) a[i] = b[i] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      unit(a, g, u);
-      unit(b, g + 1, u);
-    }
-    fold(a, g);
-    fold(b, g + 1);
-  }
-  for (; g < groups; ++g) {
-    __m512 a[2 * P];
-    for (int i = 0; i < 2 * P; ++i) a[i] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) unit(a, g, u);
-    fold(a, g);
-  }
-  for (int i = 0; i < 2 * P; ++i) _mm512_storeu_ps(out + 16 * i, Y[i]);
+  one_row_grouped<P>(w, p, units, sums, out, unit, prefetch);
 }
 #endif
 
