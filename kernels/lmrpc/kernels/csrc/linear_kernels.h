@@ -221,7 +221,7 @@ void one_row_quantized_bf16(const Source* src, int64_t groups, int64_t gkp, cons
   __m512 Y[2 * P];
   for (int i = 0; i < 2 * P; ++i) Y[i] = _mm512_setzero_ps();
   const uint16_t* x = static_cast<const uint16_t*>(rb.x[0]);
-  auto fold = [&](const GroupWeights (&gw)[P], const __m512 (&acc)[2 * P], int64_t g) {
+  auto fold = [&](const GroupWeights (&gw)[P], const __m512 (&acc)[2 * P], int64_t g) LMRPC_LAMBDA_INLINE {
     for (int q = 0; q < P; ++q)
       for (int t = 0; t < 2; ++t) {
         const int i = 2 * q + t;
