@@ -36,7 +36,8 @@
 // For the small helpers a kernel calls once per group (its scales and offsets): the compiler leaves some of them
 // out of line, and a call each costs a few percent of a decode step.
 #define LMRPC_INLINE inline __attribute__((always_inline))
-// The same for a lambda (after its parameter list): the one-row kernels' per-group folds, which gcc left out of line.
+// The same for a lambda (after its parameter list): the one-row kernels' folds, pieces and prefetches, which gcc left
+// out of line.
 #define LMRPC_LAMBDA_INLINE __attribute__((always_inline))
 
 namespace lmrpc {
