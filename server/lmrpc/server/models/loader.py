@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from lmrpc.kernels import native
 from lmrpc.server.config import ModelConfig
@@ -79,7 +79,10 @@ def _metadata_target(config: ModelConfig, gguf: Path) -> Path:
     header's fields and tensor names and shapes: GGUFFile.header_digest), so the quantizations of one model share
     one conversion (transformers takes about 10 s per file), and a file replaced by another of the same name and
     size is converted anew."""
-    return cache_root(config) / f"gguf-meta-{GGUFFile(gguf).header_digest[:16]}"
+    return cache_root(config) / f"gguf-meta{_METADATA_VERSION}-{GGUFFile(gguf).header_digest[:16]}"
+
+
+_METADATA_VERSION = 2  # of what _gguf_metadata writes (2: config aliases under both names)
 
 
 def resolve_model_path(config: ModelConfig) -> tuple[Path, Path | None]:
@@ -119,9 +122,20 @@ def _gguf_metadata(gguf: Path, out: Path) -> None:
     hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A config read from GGUF names no architecture; the causal-LM class of its model type is what it holds.
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
-    hf_config.save_pretrained(out)
+    _save_config(hf_config, out)
     GenerationConfig.from_model_config(hf_config).save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def _save_config(hf_config: PretrainedConfig, out: Path) -> None:
+    """config.json as the config's class writes it, plus each of the class's attribute aliases (Qwen3-MoE's
+    num_experts for num_local_experts) under its own name too: it is read back as a plain config (_read_config),
+    which knows no class's attribute_map."""
+    hf_config.save_pretrained(out)
+    file = out / "config.json"
+    data = json.loads(file.read_text())
+    data.update({alias: data[name] for alias, name in type(hf_config).attribute_map.items() if name in data})
+    file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
@@ -183,6 +197,26 @@ def _eos_ids(path: Path, hf_config: object) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)  # type: ignore[call-overload]
 
 
+def _read_config(path: Path, gguf: Path | None) -> PretrainedConfig:
+    """The model's HF config. A GGUF file's (written whole by its model type's config class: `_gguf_metadata`) is
+    read as a plain PretrainedConfig: importing a model type's config module imports much of transformers' modelling
+    stack with it (torch.distributed, accelerate, sympy: ~60 MB of RSS, ~1 s), which a GGUF served natively never
+    uses. Every field and alias is in the file, so the values read are the class's."""
+    if gguf is None:
+        return AutoConfig.from_pretrained(path)
+    return PretrainedConfig.from_dict(json.loads((path / "config.json").read_text()))
+
+
+def _read_tokenizer(path: Path, gguf: Path | None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer. A GGUF file's converted one that names the generic fast tokenizer is read by that class
+    directly: AutoTokenizer reads the model's config through its class too (see _read_config)."""
+    if gguf is not None:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        if named in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def pick_device(config: ModelConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -191,7 +225,7 @@ def pick_device(config: ModelConfig) -> torch.device:
 
 def load_model(config: ModelConfig) -> LoadedModel:
     path, gguf = resolve_model_path(config)
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = _read_config(path, gguf)
     arch = (hf_config.architectures or ["?"])[0]
     registry = load_registry(arch)
     device = pick_device(config)
@@ -230,7 +264,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
             if not (weights_dir / "config.json").exists():
                 convert_gguf(gguf, weights_dir)
         model = HFCausalLM.from_pretrained(weights_dir, dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = _read_tokenizer(path, gguf)
     trim_heap()  # the loading temporaries' freed heap back to the OS before the KV pool is allocated
     text_config = hf_config.get_text_config()  # a multimodal config's language-model part; else the config itself
     source = config.path or str(default_gguf())
