@@ -42,7 +42,8 @@ inline int q6_code(const uint8_t* unit, int i, int64_t b) {
   return (lo | (((unit[64 + b] >> (2 * i)) & 3) << 4)) - 32;
 }
 
-// bf16 values of the 16 codes (twice, to fill a 32-entry permute table).
+// bf16 values of the 16 codes, twice: vpermw reads 5 bits of an index, and with the table doubled its fifth bit (a
+// high nibble's lowest, q4_chunk) never changes the value picked.
 struct Q4Table {
   alignas(64) uint16_t bf16[32];
   explicit Q4Table(bool is_signed) {
@@ -65,15 +66,16 @@ inline void prefetch_q4_ahead(const uint8_t* group) {
 
 #if LMRPC_AVX512
 
-// Chunk c of tile t as two bf16 kpair vectors (lut: Q4Table::bf16; low: 0x0f in every 16-bit lane).
+// Chunk c of tile t as two bf16 kpair vectors (lut: Q4Table::bf16). vpermw reads only bits 0-4 of each 16-bit
+// index and the table holds the 16 values twice, so a byte's high nibble beside its low one picks the same value:
+// the low nibbles need no mask.
 struct Q4Chunk {
   __m512i lo, hi;  // kpairs 2c and 2c + 1
 };
-inline Q4Chunk q4_chunk(const uint8_t* group, int t, int c, __m512i lut, __m512i low) {
+inline Q4Chunk q4_chunk(const uint8_t* group, int t, int c, __m512i lut) {
   const __m512i words =
       _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 256 * t + 32 * c)));
-  return {_mm512_permutexvar_epi16(_mm512_and_si512(words, low), lut),
-          _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut)};
+  return {_mm512_permutexvar_epi16(words, lut), _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut)};
 }
 #endif
 
@@ -84,10 +86,9 @@ void expand_q4(const uint8_t* src, bool is_signed, const Q4Table& table, T* dst)
   prefetch_q4_ahead(src);
   if constexpr (sizeof(T) == 2) {
     const __m512i lut = _mm512_load_si512(table.bf16);
-    const __m512i low = _mm512_set1_epi16(0x0f);
     for (int t = 0; t < 2; ++t) {
       for (int c = 0; c < 8; ++c) {
-        const Q4Chunk chunk = q4_chunk(src, t, c, lut, low);
+        const Q4Chunk chunk = q4_chunk(src, t, c, lut);
         _mm512_storeu_si512(dst + 32 * (4 * c + t), chunk.lo);
         _mm512_storeu_si512(dst + 32 * (4 * c + 2 + t), chunk.hi);
       }

@@ -78,7 +78,6 @@ template <int R>
 void block_q4(const PackedWeight& w, int64_t p, const Q4Table& table, int64_t groups, const RowBlock& rb) {
   const uint8_t* data = static_cast<const uint8_t*>(w.data);
   const __m512i lut = _mm512_load_si512(table.bf16);
-  const __m512i low = _mm512_set1_epi16(0x0f);
   __m512 Y[R][2];
   for (int r = 0; r < R; ++r) Y[r][0] = Y[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -89,7 +88,7 @@ void block_q4(const PackedWeight& w, int64_t p, const Q4Table& table, int64_t gr
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int c = 0; c < 8; ++c) {  // kpairs 2c (low nibbles) and 2c + 1 (high nibbles)
       for (int t = 0; t < 2; ++t) {
-        const Q4Chunk chunk = q4_chunk(src, t, c, lut, low);
+        const Q4Chunk chunk = q4_chunk(src, t, c, lut);
         const __m512bh lo = reinterpret_cast<__m512bh>(chunk.lo), hi = reinterpret_cast<__m512bh>(chunk.hi);
         for (int r = 0; r < R; ++r) {
           int32_t p0, p1;
@@ -334,7 +333,6 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
   const int64_t groups = w.k_pad / w.group;
   const uint8_t* data = static_cast<const uint8_t*>(w.data);
   const __m512i lut = _mm512_load_si512(table.bf16);
-  const __m512i low = _mm512_set1_epi16(0x0f);
   auto chunk = [&](__m512 (&acc)[2 * P], int64_t g, int64_t c) LMRPC_LAMBDA_INLINE {
     int32_t p0, p1;
     std::memcpy(&p0, x + 2 * (16 * g + 2 * c), 4);
@@ -344,7 +342,7 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
     for (int q = 0; q < P; ++q) {
       const uint8_t* group = data + ((p + q) * groups + g) * 512;
       for (int t = 0; t < 2; ++t) {
-        const Q4Chunk codes = q4_chunk(group, t, static_cast<int>(c), lut, low);
+        const Q4Chunk codes = q4_chunk(group, t, static_cast<int>(c), lut);
         acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], reinterpret_cast<__m512bh>(codes.lo), x0);
         acc[2 * q + t] = _mm512_dpbf16_ps(acc[2 * q + t], reinterpret_cast<__m512bh>(codes.hi), x1);
       }
