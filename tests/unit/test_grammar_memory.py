@@ -1,11 +1,13 @@
 """What the grammar backend keeps stays bounded, and a request's matcher travels with the request: the compiled
 grammars and the matchers kept for repeated constraints are bounded by count and by their grammars' characters; the
 engine copies the matcher the service's check built even once the backend dropped its own; an idle engine gives
-the heap a burst freed back to the OS (heap.py)."""
+the heap a burst freed back to the OS (heap.py); the model loads on a thread that ends with the load, its malloc
+arena's holes left out of the steps' way."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,6 +145,42 @@ def test_the_start_trims_the_grammar_tables_heap_before_the_kv_pool(tiny_llama_d
     monkeypatch.setattr(async_engine, "trim_heap", lambda: events.append("trim"))
     make_engine(tiny_llama_dir).shutdown()
     assert events == ["grammar", "trim", "engine"]
+
+
+def test_the_model_loads_on_a_thread_that_ended_before_the_engine_runs(tiny_llama_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # glibc gives each thread its own malloc arena: the load's freed holes stay in the loading thread's arena, and
+    # the steps allocate in the engine thread's (async_engine._load)
+    from lmrpc.server.engine import async_engine
+
+    loaders: list[threading.Thread] = []
+    real_load = async_engine.load_model
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        loaders.append(threading.current_thread())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(async_engine, "load_model", load)
+    engine = make_engine(tiny_llama_dir)
+    try:
+        (loader,) = loaders
+        assert loader is not engine._thread and loader is not threading.main_thread()
+        assert not loader.is_alive()
+    finally:
+        engine.shutdown()
+
+
+def test_a_failed_load_is_raised_by_start(tmp_path: Path) -> None:
+    # the loading thread's error crosses two threads to the caller
+    from lmrpc.server.config import EngineConfig, ModelConfig
+
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    before = set(threading.enumerate())
+    with pytest.raises(FileNotFoundError, match=r"no \.safetensors weights"):
+        AsyncEngine.start(EngineConfig(model=ModelConfig(path=str(tmp_path))))
+    for thread in set(threading.enumerate()) - before:  # neither the engine's thread nor the loader's is left
+        thread.join(timeout=10)
+        assert not thread.is_alive(), thread.name
 
 
 @pytest.fixture(scope="module")
