@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+
 def _resolve(future: asyncio.Future[Any], result: object) -> None:  # event loop
     if not future.done():  # its caller may have been cancelled meanwhile
         future.set_result(result)
@@ -49,26 +51,18 @@ def _load(config: EngineConfig) -> tuple[LoadedModel, GrammarBackend]:
     megabytes (peak 2,307 MiB, the same load). The thread's OpenMP pool ends with it (libgomp frees a thread's pool
     when the thread exits), so the engine's kernels still have the cores to themselves.
     """
-    result: list[tuple[LoadedModel, GrammarBackend]] = []
-    failure: list[BaseException] = []
 
-    def run() -> None:
-        try:
-            loaded = load_model(config.model)
-            grammar = GrammarBackend(loaded.tokenizer, loaded.info.vocab_size, config.grammar)
-            # The grammar tables' build leaves tens of MB of freed heap (a 49k-token vocabulary: ~50 MB): back to the
-            # OS before the engine allocates its KV pool, so the process's peak is not pool + that heap.
-            trim_heap()
-            result.append((loaded, grammar))
-        except BaseException as exc:  # noqa: BLE001 (not swallowed: raised again on the calling thread)
-            failure.append(exc)
+    def run() -> tuple[LoadedModel, GrammarBackend]:
+        loaded = load_model(config.model)
+        grammar = GrammarBackend(loaded.tokenizer, loaded.info.vocab_size, config.grammar)
+        # The grammar tables' build leaves tens of MB of freed heap (a 49k-token vocabulary: ~50 MB): back to the OS
+        # before the engine allocates its KV pool, so the process's peak is not pool + that heap.
+        trim_heap()
+        return loaded, grammar
 
-    thread = threading.Thread(target=run, name="lmrpc-load")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return result[0]
+    # Leaving the block joins the thread; result() raises here what the load raised there.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmrpc-load") as pool:
+        return pool.submit(run).result()
 
 
 class AsyncEngine:

@@ -74,15 +74,15 @@ def _cache_target(config: ModelConfig, gguf: Path, kind: str) -> Path:
     return cache_root(config) / f"{gguf.stem}-{kind}-{digest}"
 
 
+_METADATA_VERSION = 2  # of what _gguf_metadata writes (2: config aliases under both names)
+
+
 def _metadata_target(config: ModelConfig, gguf: Path) -> Path:
     """Where a GGUF file's config and tokenizer are converted to: keyed by what they are converted from (the
     header's fields and tensor names and shapes: GGUFFile.header_digest), so the quantizations of one model share
     one conversion (transformers takes about 10 s per file), and a file replaced by another of the same name and
     size is converted anew."""
     return cache_root(config) / f"gguf-meta{_METADATA_VERSION}-{GGUFFile(gguf).header_digest[:16]}"
-
-
-_METADATA_VERSION = 2  # of what _gguf_metadata writes (2: config aliases under both names)
 
 
 def resolve_model_path(config: ModelConfig) -> tuple[Path, Path | None]:
