@@ -43,6 +43,16 @@ def gguf_q4_1_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> n
     return out.reshape(n, -1)
 
 
+def q8_0(w: torch.Tensor) -> PackedWeight:
+    """GGUF Q8_0's scheme: int8 codes in groups of 32, scale max|w| / 127 (the bundled model's output head)."""
+    n, k = w.shape
+    k_pad = -(-k // 32) * 32
+    groups = torch.cat([w, torch.zeros(n, k_pad - k)], dim=1).view(n, k_pad // 32, 32)
+    scale = (groups.abs().amax(dim=2) / 127).clamp(min=1e-8).half().float()
+    codes = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8).view(n, k_pad)[:, :k]
+    return packing.pack_q8(codes, scale, 32)
+
+
 FORMATS = {
     "f32": (lambda w: packing.pack_dense(w), Compute.F32),
     "bf16": (lambda w: packing.pack_dense(w.bfloat16()), Compute.BF16),
@@ -50,6 +60,8 @@ FORMATS = {
     "int4-f32": (quantize.quantize_int4, Compute.F32),
     "int8-bf16": (quantize.quantize_int8, Compute.BF16),
     "int8-f32": (quantize.quantize_int8, Compute.F32),
+    "q8_0-bf16": (lambda w: q8_0(w), Compute.BF16),
+    "q8_0-f32": (lambda w: q8_0(w), Compute.F32),
 }
 
 

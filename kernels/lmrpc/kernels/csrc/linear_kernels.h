@@ -1,6 +1,6 @@
 // Micro-kernels of the row-invariant products (run by linear_products.cpp): R rows x P tile pairs over every group
 // in AVX512-BF16 registers, AVX2 registers (linear_kernels_avx2.h) or portable loops, and Q4 codes expanded in
-// registers for R rows (block_q4) or one (one_row_q4_bf16; Q6 codes: one_row_q6_bf16).
+// registers for R rows (block_q4) or one (one_row_q4_bf16; Q8 and Q6 codes: one_row_q8_bf16, one_row_q6_bf16).
 #pragma once
 
 #include <cmath>
@@ -281,9 +281,9 @@ void one_row_quantized_bf16(const Source* src, int64_t groups, int64_t gkp, cons
 #endif
 
 #if LMRPC_AVX512
-// One row of P tile pairs of a grouped quantized weight (Q4 blocks or Q6 units), bf16 products with codes decoded in
-// registers and used at once (no buffer): two groups' sums run side by side (one sum per group is a chain of
-// dependent dot products) and are folded in group order, so per output the operations are those of the expanded
+// One row of P tile pairs of a grouped quantized weight (Q4 blocks, Q8 or Q6 units), bf16 products with codes
+// decoded in registers and used at once (no buffer): two groups' sums run side by side (one sum per group is a chain
+// of dependent dot products) and are folded in group order, so per output the operations are those of the expanded
 // path, each group's kpairs in order in one sum. piece(acc, g, i) adds the group's i-th of `pieces` runs of kpairs
 // to acc [2 * P] (both tiles of every pair); prefetch(g) asks for the codes a few groups ahead.
 template <int P, typename Piece, typename Prefetch>
@@ -437,6 +437,38 @@ void block_codes(const PackedWeight& w, int64_t p, const Q6Table& table, int64_t
     for (int i = 0; i < 2; ++i) _mm512_storeu_ps(rb.out[r] + 16 * i, Y[r][i]);
 }
 
+// One row, Q8 (the bundled model's Q8_0 output head; a Q8_0 file's layers): a group's pieces are its units of four
+// kpair vectors (kpairs 2u and 2u + 1, both tiles), made bf16 in registers from the 8-bit codes. Read as stored, half
+// the bytes of the expanded copy, which products of many rows read instead.
+template <int P>
+void one_row_q8_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const float* sums, float* out) {
+  const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
+  const int8_t* pairs[P];  // each pair's first group
+  for (int q = 0; q < P; ++q) {
+    pairs[q] = static_cast<const int8_t*>(w.data) + PairIndex{&w, p + q, groups, gkp, kp}.vectors(0) * 32;
+  }
+  auto unit = [&](__m512 (&acc)[2 * P], int64_t g, int64_t u) LMRPC_LAMBDA_INLINE {
+    int32_t p0, p1;
+    std::memcpy(&p0, x + 2 * (g * gkp + 2 * u), 4);
+    std::memcpy(&p1, x + 2 * (g * gkp + 2 * u + 1), 4);
+    const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
+    const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
+    for (int q = 0; q < P; ++q) {
+      const int8_t* codes = pairs[q] + (g * gkp + 2 * u) * 64;  // kpair 2u tile 0, tile 1; kpair 2u + 1 tile 0, 1
+      // The unit kQ8PrefetchBytes ahead, by bytes rather than groups (an int8 weight of ours is one group of all its
+      // inputs), into L2 (see kOneRowHint).
+      _mm_prefetch(reinterpret_cast<const char*>(codes + kQ8PrefetchBytes), kOneRowHint);
+      _mm_prefetch(reinterpret_cast<const char*>(codes + kQ8PrefetchBytes + 64), kOneRowHint);
+      acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(q8_vector_bf16(codes)), x0);
+      acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(q8_vector_bf16(codes + 32)), x0);
+      acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(q8_vector_bf16(codes + 64)), x1);
+      acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(q8_vector_bf16(codes + 96)), x1);
+    }
+  };
+  auto no_prefetch = [](int64_t) LMRPC_LAMBDA_INLINE {};  // the units ask for theirs
+  one_row_grouped<P>(w, p, gkp / 2, sums, out, unit, no_prefetch);
+}
+
 // One row, Q6 (1.7B Q4_K_M's Q6_K output head and down projections): a group's pieces are its units (kpairs 2u and
 // 2u + 1 of both tiles), each decoded in registers (against a group decoded to 8-bit codes, then to bf16 in a buffer).
 template <int P>
@@ -462,11 +494,11 @@ void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, con
       acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(v[3]), x1);
     }
   };
-  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, as prefetch_q4_ahead
+  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2 (kOneRowHint)
     for (int q = 0; q < P; ++q)
       for (int64_t line = 0; line < group_bytes; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(pairs[q] + (g + kPrefetchGroups) * group_bytes + line),
-                     _MM_HINT_T0);
+                     kOneRowHint);
       }
   };
   one_row_grouped<P>(w, p, units, sums, out, unit, prefetch);

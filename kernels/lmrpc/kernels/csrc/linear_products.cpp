@@ -232,14 +232,14 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
       }
       return;
     }
-    if ((w.format == WeightFormat::Q4 || w.format == WeightFormat::Q6) && rr.size() == 1) {
+    if (quantized && rr.size() == 1) {  // one row: codes read as stored, made bf16 in registers
       alignas(64) float row[32 * kMaxPairs];
       const uint16_t* x = in.bf16.data() + rr.begin * w.k_pad;
       const float* sums = w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr;
-      if (w.format == WeightFormat::Q4) {
-        one_row_q4_bf16<P>(w, p, table, x, sums, row);
-      } else {
-        one_row_q6_bf16<P>(w, p, q6_table(), x, sums, row);
+      switch (w.format) {
+        case WeightFormat::Q4: one_row_q4_bf16<P>(w, p, table, x, sums, row); break;
+        case WeightFormat::Q6: one_row_q6_bf16<P>(w, p, q6_table(), x, sums, row); break;
+        default: one_row_q8_bf16<P>(w, p, x, sums, row); break;
       }
       epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
       return;
