@@ -437,6 +437,26 @@ void block_codes(const PackedWeight& w, int64_t p, const Q6Table& table, int64_t
     for (int i = 0; i < 2; ++i) _mm512_storeu_ps(rb.out[r] + 16 * i, Y[r][i]);
 }
 
+// One unit (kpairs `at` and `at` + 1, both tiles) of each of P tile pairs, one row: decode(q, v) makes pair q's four
+// kpair vectors (kpair `at` tile 0, tile 1; kpair `at` + 1 tile 0, tile 1) bf16, each tile's sum takes them in kpair
+// order (one_row_q8_bf16, one_row_q6_bf16).
+template <int P, typename Decode>
+LMRPC_INLINE void unit_products(__m512 (&acc)[2 * P], const uint16_t* x, int64_t at, Decode&& decode) {
+  int32_t p0, p1;
+  std::memcpy(&p0, x + 2 * at, 4);
+  std::memcpy(&p1, x + 2 * (at + 1), 4);
+  const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
+  const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
+  for (int q = 0; q < P; ++q) {
+    __m512i v[4];
+    decode(q, v);
+    acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(v[0]), x0);
+    acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(v[1]), x0);
+    acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(v[2]), x1);
+    acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(v[3]), x1);
+  }
+}
+
 // One row, Q8 (the bundled model's Q8_0 output head; a Q8_0 file's layers): a group's pieces are its units of four
 // kpair vectors (kpairs 2u and 2u + 1, both tiles), made bf16 in registers from the 8-bit codes. Read as stored, half
 // the bytes of the expanded copy, which products of many rows read instead.
@@ -448,22 +468,14 @@ void one_row_q8_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const 
     pairs[q] = static_cast<const int8_t*>(w.data) + PairIndex{&w, p + q, groups, gkp, kp}.vectors(0) * 32;
   }
   auto unit = [&](__m512 (&acc)[2 * P], int64_t g, int64_t u) LMRPC_LAMBDA_INLINE {
-    int32_t p0, p1;
-    std::memcpy(&p0, x + 2 * (g * gkp + 2 * u), 4);
-    std::memcpy(&p1, x + 2 * (g * gkp + 2 * u + 1), 4);
-    const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
-    const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
-    for (int q = 0; q < P; ++q) {
-      const int8_t* codes = pairs[q] + (g * gkp + 2 * u) * 64;  // kpair 2u tile 0, tile 1; kpair 2u + 1 tile 0, 1
+    unit_products<P>(acc, x, g * gkp + 2 * u, [&](int q, __m512i (&v)[4]) LMRPC_LAMBDA_INLINE {
+      const int8_t* codes = pairs[q] + (g * gkp + 2 * u) * 64;
       // The unit kQ8PrefetchBytes ahead, by bytes rather than groups (an int8 weight of ours is one group of all its
       // inputs), into L2 (see kOneRowHint).
       _mm_prefetch(reinterpret_cast<const char*>(codes + kQ8PrefetchBytes), kOneRowHint);
       _mm_prefetch(reinterpret_cast<const char*>(codes + kQ8PrefetchBytes + 64), kOneRowHint);
-      acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(q8_vector_bf16(codes)), x0);
-      acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(q8_vector_bf16(codes + 32)), x0);
-      acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(q8_vector_bf16(codes + 64)), x1);
-      acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(q8_vector_bf16(codes + 96)), x1);
-    }
+      for (int i = 0; i < 4; ++i) v[i] = q8_vector_bf16(codes + 32 * i);
+    });
   };
   auto no_prefetch = [](int64_t) LMRPC_LAMBDA_INLINE {};  // the units ask for theirs
   one_row_grouped<P>(w, p, gkp / 2, sums, out, unit, no_prefetch);
@@ -480,19 +492,9 @@ void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, con
   const uint8_t* pairs[P];  // each pair's first group
   for (int q = 0; q < P; ++q) pairs[q] = q6_group(w, PairIndex{&w, p + q, groups, gkp, kp}.vectors(0));
   auto unit = [&](__m512 (&acc)[2 * P], int64_t g, int64_t u) LMRPC_LAMBDA_INLINE {
-    int32_t p0, p1;
-    std::memcpy(&p0, x + 2 * (g * gkp + 2 * u), 4);
-    std::memcpy(&p1, x + 2 * (g * gkp + 2 * u + 1), 4);
-    const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
-    const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
-    for (int q = 0; q < P; ++q) {
-      __m512i v[4];  // kpair 2u tile 0, tile 1; kpair 2u + 1 tile 0, tile 1
+    unit_products<P>(acc, x, g * gkp + 2 * u, [&](int q, __m512i (&v)[4]) LMRPC_LAMBDA_INLINE {
       q6_unit_bf16(pairs[q] + g * group_bytes + u * kQ6UnitBytes, lut_lo, lut_hi, v);
-      acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(v[0]), x0);
-      acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(v[1]), x0);
-      acc[2 * q] = _mm512_dpbf16_ps(acc[2 * q], reinterpret_cast<__m512bh>(v[2]), x1);
-      acc[2 * q + 1] = _mm512_dpbf16_ps(acc[2 * q + 1], reinterpret_cast<__m512bh>(v[3]), x1);
-    }
+    });
   };
   auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2 (kOneRowHint)
     for (int q = 0; q < P; ++q)
