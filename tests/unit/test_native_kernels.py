@@ -60,8 +60,8 @@ FORMATS = {
     "int4-f32": (quantize.quantize_int4, Compute.F32),
     "int8-bf16": (quantize.quantize_int8, Compute.BF16),
     "int8-f32": (quantize.quantize_int8, Compute.F32),
-    "q8_0-bf16": (lambda w: q8_0(w), Compute.BF16),
-    "q8_0-f32": (lambda w: q8_0(w), Compute.F32),
+    "q8_0-bf16": (q8_0, Compute.BF16),
+    "q8_0-f32": (q8_0, Compute.F32),
 }
 
 

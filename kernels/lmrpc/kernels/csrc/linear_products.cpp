@@ -28,15 +28,7 @@ constexpr int block_rows(bool quantized) {
 
 template <typename T, int P, bool Q, typename Source>
 void run_block(int rows, const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
-  if constexpr (sizeof(T) == 2) {
-#if LMRPC_AVX512
-    if constexpr (Q) {
-      if (rows == 1) {
-        one_row_quantized_bf16<P>(src, groups, gkp, rb);
-        return;
-      }
-    }
-#endif
+  if constexpr (sizeof(T) == 2) {  // (one quantized row on AVX512 never comes here: pair_products' one-row kernels)
     switch (rows) {
       case 1: block_bf16<1, P, Q>(src, groups, gkp, rb); break;
       case 2: block_bf16<2, P, Q>(src, groups, gkp, rb); break;
