@@ -57,11 +57,22 @@ constexpr int64_t kQ8PrefetchBytes = 4096;  // Q8 codes read ahead in one-row pr
 // A Q4 group of a tile pair is 2 x 256 bytes: per tile 8 chunks of 32, chunk c holding kpair 2c in its low nibbles
 // and kpair 2c + 1 in its high nibbles.
 #if LMRPC_AVX512 || LMRPC_AVX2
-// One-row products of 8- and 6-bit codes ask for their codes ahead into L2, not L1 (a prefetch into L1 holds one of
-// the core's few L1 miss buffers until its line arrives). Measured on AMD EPYC Zen 4, huge pages, one row: a Q6_K
-// 49152 x 2048 head and the bundled Q8_0 head (49152 x 576) each ~0.8x the time of L1 prefetches. Q4 groups showed
-// no difference at any distance (1 to 16 groups) and keep prefetch_q4_ahead.
+// One-row products ask for their codes ahead into L2, not L1 (a prefetch into L1 holds one of the core's few L1 miss
+// buffers until its line arrives), and past the end of a tile pair's codes they ask for the next block's
+// (one_row_ahead). Measured on AMD EPYC Zen 4 (huge pages, one row, a small C++ program over the kernels' sources, old
+// and new alternating): a Q6_K 49152 x 2048 head and the bundled Q8_0 head (49152 x 576) each ~0.8x the time of L1
+// prefetches; Q4 at the bundled model's 3072 x 576, ~0.76x into L2 and ~0.71x with the next block's groups too (at
+// 16384 x 2048: 0.98x and ~0.9x; into L1 with the next block's groups, 1.1-2.2x slower).
 constexpr _mm_hint kOneRowHint = _MM_HINT_T1;
+
+// Where a one-row product's prefetch goes: `offset` bytes into the codes of its tile pair q, whose codes are
+// `length` bytes, the pairs of a block of P one after the other. Past the pair's end it goes on into the same pair
+// of the next block, P pairs on (the pairs of a weight are laid out in order, and a thread takes blocks in order
+// as it can): without it each block started with its codes coming from memory unasked (a block is 18-96 KiB at
+// these models' widths).
+inline int64_t one_row_ahead(int64_t offset, int64_t length, int P) {
+  return offset < length ? offset : offset + (P - 1) * length;
+}
 
 // The group kPrefetchGroups ahead of `group`, asked into L1.
 inline void prefetch_q4_ahead(const uint8_t* group) {

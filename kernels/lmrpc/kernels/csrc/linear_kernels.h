@@ -280,8 +280,14 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
       }
     }
   };
-  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {
-    for (int q = 0; q < P; ++q) prefetch_q4_ahead(data + ((p + q) * groups + g) * 512);
+  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2
+    const int64_t at = one_row_ahead((g + kPrefetchGroups) * 512, groups * 512, P);
+    for (int q = 0; q < P; ++q) {
+      const uint8_t* group = data + (p + q) * groups * 512 + at;
+      for (int line = 0; line < 8; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(group + 64 * line), kOneRowHint);
+      }
+    }
   };
   one_row_grouped<P>(w, p, 8, sums, out, chunk, prefetch);
 }
@@ -401,11 +407,13 @@ void one_row_q8_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const 
   }
   auto unit = [&](__m512 (&acc)[2 * P], int64_t g, int64_t u) LMRPC_LAMBDA_INLINE {
     unit_products<P>(acc, x, g * gkp + 2 * u, [&](int q, __m512i (&v)[4]) LMRPC_LAMBDA_INLINE {
-      const int8_t* codes = pairs[q] + (g * gkp + 2 * u) * 64;
+      const int64_t offset = (g * gkp + 2 * u) * 64;
+      const int8_t* codes = pairs[q] + offset;
       // The unit kQ8PrefetchBytes ahead, by bytes rather than groups (an int8 weight of ours is one group of all its
       // inputs), into L2 (see kOneRowHint).
-      _mm_prefetch(reinterpret_cast<const char*>(codes + kQ8PrefetchBytes), kOneRowHint);
-      _mm_prefetch(reinterpret_cast<const char*>(codes + kQ8PrefetchBytes + 64), kOneRowHint);
+      const int8_t* ahead = pairs[q] + one_row_ahead(offset + kQ8PrefetchBytes, kp * 64, P);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), kOneRowHint);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 64), kOneRowHint);
       for (int i = 0; i < 4; ++i) v[i] = q8_vector_bf16(codes + 32 * i);
     });
   };
@@ -429,10 +437,10 @@ void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, con
     });
   };
   auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2 (kOneRowHint)
+    const int64_t at = one_row_ahead((g + kPrefetchGroups) * group_bytes, groups * group_bytes, P);
     for (int q = 0; q < P; ++q)
       for (int64_t line = 0; line < group_bytes; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(pairs[q] + (g + kPrefetchGroups) * group_bytes + line),
-                     kOneRowHint);
+        _mm_prefetch(reinterpret_cast<const char*>(pairs[q] + at + line), kOneRowHint);
       }
   };
   one_row_grouped<P>(w, p, units, sums, out, unit, prefetch);
