@@ -70,8 +70,15 @@ constexpr _mm_hint kOneRowHint = _MM_HINT_T1;
 // of the next block, P pairs on (the pairs of a weight are laid out in order, and a thread takes blocks in order
 // as it can): without it each block started with its codes coming from memory unasked (a block is 18-96 KiB at
 // these models' widths).
-inline int64_t one_row_ahead(int64_t offset, int64_t length, int P) {
+LMRPC_INLINE int64_t one_row_ahead(int64_t offset, int64_t length, int P) {
   return offset < length ? offset : offset + (P - 1) * length;
+}
+
+// Asks for `bytes` of codes from `at` into L2 (kOneRowHint), a cache line at a time.
+LMRPC_INLINE void prefetch_one_row(const void* at, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) {
+    _mm_prefetch(static_cast<const char*>(at) + line, kOneRowHint);
+  }
 }
 
 // The group kPrefetchGroups ahead of `group`, asked into L1.

@@ -282,12 +282,7 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
   };
   auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2
     const int64_t at = one_row_ahead((g + kPrefetchGroups) * 512, groups * 512, P);
-    for (int q = 0; q < P; ++q) {
-      const uint8_t* group = data + (p + q) * groups * 512 + at;
-      for (int line = 0; line < 8; ++line) {
-        _mm_prefetch(reinterpret_cast<const char*>(group + 64 * line), kOneRowHint);
-      }
-    }
+    for (int q = 0; q < P; ++q) prefetch_one_row(data + (p + q) * groups * 512 + at, 512);
   };
   one_row_grouped<P>(w, p, 8, sums, out, chunk, prefetch);
 }
@@ -406,15 +401,13 @@ void one_row_q8_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const 
     pairs[q] = static_cast<const int8_t*>(w.data) + PairIndex{&w, p + q, groups, gkp, kp}.vectors(0) * 32;
   }
   auto unit = [&](__m512 (&acc)[2 * P], int64_t g, int64_t u) LMRPC_LAMBDA_INLINE {
+    const int64_t offset = (g * gkp + 2 * u) * 64;
+    // The unit kQ8PrefetchBytes ahead, by bytes rather than groups (an int8 weight of ours is one group of all its
+    // inputs), into L2 (see kOneRowHint).
+    const int64_t ahead = one_row_ahead(offset + kQ8PrefetchBytes, kp * 64, P);
     unit_products<P>(acc, x, g * gkp + 2 * u, [&](int q, __m512i (&v)[4]) LMRPC_LAMBDA_INLINE {
-      const int64_t offset = (g * gkp + 2 * u) * 64;
-      const int8_t* codes = pairs[q] + offset;
-      // The unit kQ8PrefetchBytes ahead, by bytes rather than groups (an int8 weight of ours is one group of all its
-      // inputs), into L2 (see kOneRowHint).
-      const int8_t* ahead = pairs[q] + one_row_ahead(offset + kQ8PrefetchBytes, kp * 64, P);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead), kOneRowHint);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + 64), kOneRowHint);
-      for (int i = 0; i < 4; ++i) v[i] = q8_vector_bf16(codes + 32 * i);
+      prefetch_one_row(pairs[q] + ahead, 128);
+      for (int i = 0; i < 4; ++i) v[i] = q8_vector_bf16(pairs[q] + offset + 32 * i);
     });
   };
   auto no_prefetch = [](int64_t) LMRPC_LAMBDA_INLINE {};  // the units ask for theirs
@@ -438,10 +431,7 @@ void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, con
   };
   auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2 (kOneRowHint)
     const int64_t at = one_row_ahead((g + kPrefetchGroups) * group_bytes, groups * group_bytes, P);
-    for (int q = 0; q < P; ++q)
-      for (int64_t line = 0; line < group_bytes; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(pairs[q] + at + line), kOneRowHint);
-      }
+    for (int q = 0; q < P; ++q) prefetch_one_row(pairs[q] + at, group_bytes);
   };
   one_row_grouped<P>(w, p, units, sums, out, unit, prefetch);
 }
