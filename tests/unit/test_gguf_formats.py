@@ -228,6 +228,18 @@ def test_k_quants_of_different_formats_stack_into_one_exact_product(small: str) 
         assert np.array_equal(lin.forward(x[:m]).numpy(), expected[:m]), m
 
 
+def test_super_blocks_of_other_than_a_power_of_two_groups_are_refused() -> None:
+    # The kernels find a group's super-block by a shift (KScales::super_shift), so a count they would misread is
+    # refused where the weight is made. 768 inputs: 24 groups of 32, whole super-blocks of 8 or of 3.
+    p, _ = load("q4_k", 64, 768)
+    ks = p.kscales
+    assert ks is not None and ks.super_groups == 8
+    kernel(p, Compute.BF16)
+    with pytest.raises(RuntimeError, match="power of two"):
+        native.load().PackedLinear(int(p.format), int(Compute.BF16), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
+                                   p.offset, None, kd=ks.d, kdmin=ks.dmin, ksc=ks.sc, km=ks.m, super_groups=3)
+
+
 def _bytes(t: torch.Tensor | None) -> bytes | None:
     return None if t is None else t.contiguous().view(torch.uint8).numpy().tobytes()
 

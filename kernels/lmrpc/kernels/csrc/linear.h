@@ -22,7 +22,7 @@ enum class WeightFormat : int32_t {
 constexpr int64_t kQ6UnitBytes = 96;
 
 // GGUF K-quant scales (Q4_K, Q5_K, Q6_K), kept as the file stores them instead of as one float per group: per
-// output and super-block of `super_groups` groups, fp16 d (and dmin); per output and group, 8-bit multipliers sc
+// output and super-block of 2^`super_shift` groups, fp16 d (and dmin); per output and group, 8-bit multipliers sc
 // (and m). A group's scale is d * sc and its offset -(dmin * m), both computed in float32 where a group is folded:
 // exact (an fp16 significand times an 8-bit integer fits float32's), so they are gguf's dequantize values to the
 // bit. A float32 per group would cost 2 bits per weight more than the file (Q4_K: 6 instead of 4.5); these, 0.625.
@@ -31,7 +31,8 @@ struct KScales {
   const uint16_t* dmin = nullptr;  // fp16 [n_pad / 32][supers][2][16], or null (no offsets)
   const uint8_t* sc = nullptr;     // [n_pad / 32][groups][2][16]: uint8, or int8 when sc_signed
   const uint8_t* m = nullptr;      // [n_pad / 32][groups][2][16] uint8, or null
-  int64_t super_groups = 1;        // groups per super-block
+  int super_shift = 0;             // log2 of the groups per super-block (8 or 16: 256 inputs of 32 or 16), so
+                                   // a group finds its super-block by a shift, not a division per group
   bool sc_signed = false;          // Q6_K's multipliers are signed
 };
 

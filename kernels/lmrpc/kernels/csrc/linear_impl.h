@@ -253,7 +253,8 @@ LMRPC_INLINE GroupWeights group_weights(const PackedWeight& w, int64_t pair, int
                                         const void* values) {
   const int64_t at = (pair * groups + g) * 32;
   if (!w.k_scaled()) return {values, w.scale + at, w.offset != nullptr ? w.offset + at : nullptr};
-  const int64_t sg = w.ks.super_groups, sat = (pair * (groups / sg) + g / sg) * 32;
+  const int sh = w.ks.super_shift;
+  const int64_t sat = (pair * (groups >> sh) + (g >> sh)) * 32;
   GroupWeights gw{values, nullptr, nullptr};
   gw.kd = w.ks.d + sat;
   gw.kdmin = w.ks.dmin != nullptr ? w.ks.dmin + sat : nullptr;

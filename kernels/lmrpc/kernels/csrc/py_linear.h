@@ -70,7 +70,8 @@ class PackedLinear {
     }
     if (k_scaled) {
       TORCH_CHECK(ksc.has_value() && kdmin.has_value() == km.has_value(), "K scales: d with sc, dmin with m");
-      TORCH_CHECK(super_groups > 0 && groups % super_groups == 0, "K scales: whole super-blocks of groups");
+      TORCH_CHECK(super_groups > 0 && (super_groups & (super_groups - 1)) == 0 && groups % super_groups == 0,
+                  "K scales: whole super-blocks of a power of two groups");
       for (const auto* t : {&kd_, &kdmin_}) {
         if (t->has_value()) {
           TORCH_CHECK((*t)->scalar_type() == at::kHalf && (*t)->is_contiguous() &&
@@ -94,7 +95,8 @@ class PackedLinear {
     if (k_scaled) {
       w_.ks = lmrpc::KScales{half_or_null(kd_), half_or_null(kdmin_),
                             static_cast<const uint8_t*>(ksc_->data_ptr()),
-                            km_.has_value() ? static_cast<const uint8_t*>(km_->data_ptr()) : nullptr, super_groups,
+                            km_.has_value() ? static_cast<const uint8_t*>(km_->data_ptr()) : nullptr,
+                            __builtin_ctzll(static_cast<unsigned long long>(super_groups)),
                             sc_signed};
     }
     // Int8 activations: bfloat16 compute on AVX512-VNNI, with the codes once more in their layout; float32 compute
