@@ -324,8 +324,14 @@ JobItems job_items(const LinearJob& job, int threads) {
 
 }  // namespace
 
-// The work items of every job, handed out a few at a time: a vCPU slowed by its host does less of the work. Which
-// thread computes an item never changes its bits. T: uint16_t (bf16 products) or float (float32).
+// The work items of every job, handed out as the threads ask: a vCPU slowed by its host does less of the work.
+// Products of one row (a decode step of one sequence) hand them out in shrinking runs (guided: half of what is left
+// between the threads, down to single items): such a product takes tens of microseconds to a millisecond, and with
+// runs of a sixteenth of the items one thread often waited most of a run for the other at its end. Engine alone
+// (bench/phases.py, AMD EPYC Zen 4, old and new kernels alternating): bundled one-stream decode forward 0.84-0.98x
+// of the fixed runs in 8 of 8 rounds (median ~0.90x), 1.7B Q4_K_M 0.82-1.04x in 7 (median 0.96x). Products of many
+// rows keep runs of a sixteenth: a 32-stream prefill ran 1.03-1.07x longer with shrinking runs. Which thread
+// computes an item never changes its bits. T: uint16_t (bf16 products) or float (float32).
 template <typename T>
 void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
   thread_local std::vector<int64_t> starts;  // kept between calls (the calling thread's; the team reads `first`)
@@ -333,10 +339,12 @@ void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
   starts.assign(count + 1, 0);
   items.resize(count);
   int64_t pairs = 0, work = 0;
+  bool one_row = true;
   for (int64_t j = 0; j < count; ++j) {
     const PackedWeight& w = *jobs[j].w;
     pairs += w.n_pad / 32;
     work += jobs[j].args.m * w.n_pad * w.k_pad;
+    one_row = one_row && jobs[j].args.m == 1;
   }
   static const Q4Table tables[2] = {Q4Table(false), Q4Table(true)};
   // Work smaller than a thread hand-off costs (a decode step's LoRA products: a few rows of rank-16 matrices) stays
@@ -351,23 +359,29 @@ void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
   const JobItems* job_items_of = items.data();  // (the team reads the calling thread's items through this)
   const int64_t total = first[count];
   const int64_t grab = std::max<int64_t>(1, total / (8 * threads));
+  auto item = [&](int64_t b, AlignedBuffer<T>& buffer) {
+    const int64_t j = std::upper_bound(first, first + count + 1, b) - first - 1;
+    const PackedWeight& w = *jobs[j].w;
+    const JobItems& it = job_items_of[j];
+    const Q4Table& table = tables[w.q4_signed ? 1 : 0];
+    const int64_t at = b - first[j], block = at / it.splits, chunk = at % it.splits;
+    const RowRange rr{chunk * it.row_chunk, std::min<int64_t>(jobs[j].args.m, (chunk + 1) * it.row_chunk)};
+    const int64_t job_pairs = w.n_pad / 32, p = block * kMaxPairs;
+    if (p + kMaxPairs <= job_pairs) {
+      pair_products<T, kMaxPairs>(w, in[j], jobs[j].args, rr, p, table, buffer);
+    } else {
+      for (int64_t q = p; q < job_pairs; ++q) pair_products<T, 1>(w, in[j], jobs[j].args, rr, q, table, buffer);
+    }
+  };
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     thread_local AlignedBuffer<T> buffer;  // expanded weights, each thread's own; kept between calls
+    if (one_row) {
+#pragma omp for schedule(guided)
+      for (int64_t b = 0; b < total; ++b) item(b, buffer);
+    } else {
 #pragma omp for schedule(dynamic, grab)
-    for (int64_t b = 0; b < total; ++b) {
-      const int64_t j = std::upper_bound(first, first + count + 1, b) - first - 1;
-      const PackedWeight& w = *jobs[j].w;
-      const JobItems& it = job_items_of[j];
-      const Q4Table& table = tables[w.q4_signed ? 1 : 0];
-      const int64_t item = b - first[j], block = item / it.splits, chunk = item % it.splits;
-      const RowRange rr{chunk * it.row_chunk, std::min<int64_t>(jobs[j].args.m, (chunk + 1) * it.row_chunk)};
-      const int64_t job_pairs = w.n_pad / 32, p = block * kMaxPairs;
-      if (p + kMaxPairs <= job_pairs) {
-        pair_products<T, kMaxPairs>(w, in[j], jobs[j].args, rr, p, table, buffer);
-      } else {
-        for (int64_t q = p; q < job_pairs; ++q) pair_products<T, 1>(w, in[j], jobs[j].args, rr, q, table, buffer);
-      }
+      for (int64_t b = 0; b < total; ++b) item(b, buffer);
     }
 #if LMRPC_AVX512
     _mm_sfence();  // streamed outputs (epilogue) reach memory before other threads read them
