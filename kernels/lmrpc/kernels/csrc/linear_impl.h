@@ -289,6 +289,26 @@ LMRPC_INLINE __m512 offset_x16(const GroupWeights& gw, int t) {
   const __m512 dm = _mm512_mul_ps(load_halfx16(gw.kdmin + 16 * t), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32(INT32_MIN)));  // -dm
 }
+
+// Asks for group g's scales and offsets (K scales: sc, m, d, dmin) of tile pair `pair` into L2 (kOneRowHint). They
+// lie apart from the codes, each array a stream of its own that one-row products otherwise met unasked: a Q4_K
+// one-row product of 16384 x 2048 from memory took 0.90x the time with them asked for (two threads, huge pages, 8
+// alternating rounds, AMD EPYC Zen 4), a 1.7B Q4_K_M-shaped step of one-row products ~0.92x.
+LMRPC_INLINE void prefetch_scales(const PackedWeight& w, int64_t pair, int64_t groups, int64_t g) {
+  const GroupWeights gw = group_weights(w, pair, groups, g, nullptr);
+  const auto ask = [](const void* at) LMRPC_LAMBDA_INLINE {
+    if (at != nullptr) _mm_prefetch(static_cast<const char*>(at), kOneRowHint);
+  };
+  if (gw.kd != nullptr) {
+    ask(gw.ksc);
+    ask(gw.km);
+    ask(gw.kd);
+    ask(gw.kdmin);
+  } else {
+    ask(gw.scale);
+    ask(gw.offset);
+  }
+}
 #endif
 
 // Q6 weights' groups are at most this many inputs (GGUF's 16 and 32): a group's codes decode into a stack buffer.

@@ -283,6 +283,8 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
   auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2
     const int64_t at = one_row_ahead((g + kPrefetchGroups) * 512, groups * 512, P);
     for (int q = 0; q < P; ++q) prefetch_one_row(data + (p + q) * groups * 512 + at, 512);
+    const int64_t ahead = one_row_ahead(g + 2 * kPrefetchGroups, groups, P);  // (a line holds 1-2 groups' scales)
+    for (int q = 0; q < P; ++q) prefetch_scales(w, p + q, groups, ahead);
   };
   one_row_grouped<P>(w, p, 8, sums, out, chunk, prefetch);
 }
@@ -432,6 +434,8 @@ void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, con
   auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2 (kOneRowHint)
     const int64_t at = one_row_ahead((g + kPrefetchGroups) * group_bytes, groups * group_bytes, P);
     for (int q = 0; q < P; ++q) prefetch_one_row(pairs[q] + at, group_bytes);
+    const int64_t ahead = one_row_ahead(g + 2 * kPrefetchGroups, groups, P);
+    for (int q = 0; q < P; ++q) prefetch_scales(w, p + q, groups, ahead);
   };
   one_row_grouped<P>(w, p, units, sums, out, unit, prefetch);
 }
