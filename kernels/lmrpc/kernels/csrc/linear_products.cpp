@@ -61,15 +61,20 @@ void run_block(int rows, const Source* src, int64_t groups, int64_t gkp, const R
 
 #if LMRPC_AVX512 || LMRPC_AVX2
 // Every row of tile pair p in blocks of up to kRows rows of xq (the inputs as the products read them, bf16 or
-// float32): block(rows, rb) computes a block's results into rb.out, and the epilogue writes them.
+// float32): block(rows, rb) computes a block's results into rb.out, and the epilogue writes them. The blocks are as
+// even as their count allows (64 rows: 9 of 6 and 2 of 5, not 10 of 6 and one of 4; 8 rows: 4 and 4, not 6 and 2):
+// a block of one or two rows keeps too few running sums to hide a dot product's latency. Which rows share a block
+// never changes a row's bits.
 template <int kRows = kMaxRows, typename T, typename Block>
 void pair_in_row_blocks(const PackedWeight& w, const T* xq, const Inputs& in, const LinearArgs& a, RowRange rr,
                         int64_t p, Block&& block) {
   static_assert(kRows <= kMaxRows);
   const int64_t groups = w.k_pad / w.group;
+  const int64_t m = rr.size(), blocks = (m + kRows - 1) / kRows;
   alignas(64) float out[kMaxRows][32 * kMaxPairs];
-  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, rr.end - r0));
+  for (int64_t b = 0, r0 = rr.begin; b < blocks; ++b) {
+    const int64_t r1 = rr.begin + m * (b + 1) / blocks;  // blocks of kRows or one fewer rows
+    const int rows = static_cast<int>(r1 - r0);
     RowBlock rb{};
     for (int r = 0; r < rows; ++r) {
       rb.x[r] = xq + (r0 + r) * w.k_pad;
@@ -78,6 +83,7 @@ void pair_in_row_blocks(const PackedWeight& w, const T* xq, const Inputs& in, co
     }
     block(rows, rb);
     epilogue(w, a, r0, rows, p, 1, out);
+    r0 = r1;
   }
 }
 #endif
