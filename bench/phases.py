@@ -3,6 +3,7 @@ and the rest. Engine alone (no gRPC), the bundled model at its defaults unless t
 
     .venv/bin/python bench/phases.py [--streams 32] [--prompt-len 128] [--new-tokens 128] [--quantization auto]
                                      [--repeats 3] [--model FILE] [--no-expand-codes]
+                                     [--max-batched-tokens N]
 
 Each repeat sends --streams requests of random token ids at once (greedy, EOS ignored, prefix cache off so every
 repeat prefills), after one untimed warm-up run. Per repeat it prints wall time and tok/s, then per kind of step
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig
+from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.sequence import ScheduledBatch
 from lmrpc.server.engine.types import EngineRequest, SamplingParams
@@ -94,6 +95,8 @@ def main() -> None:
     parser.add_argument("--int8-activations", action="store_true",
                         help="int4 products take int8 activations (as the server's flag)")
     parser.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the bundled model)")
+    parser.add_argument("--max-batched-tokens", type=int, default=None,
+                        help="tokens per step (as the server's flag; default: sized to the model)")
     parser.add_argument("--no-expand-codes", dest="expand_codes", action="store_false",
                         help="8-bit weights keep no bfloat16 copy of their codes (as the server's flag)")
     args = parser.parse_args()
@@ -103,6 +106,7 @@ def main() -> None:
         model=ModelConfig(path=args.model, quantization=args.quantization, int8_activations=args.int8_activations,
                           expand_codes=args.expand_codes),
         cache=CacheConfig(num_tokens=tokens, enable_prefix_cache=False),
+        scheduler=SchedulerConfig(max_batched_tokens=args.max_batched_tokens),
         sampling_defaults="openai",  # no model-side defaults (a repetition penalty, say) on top of plain greedy
     )
     engine = AsyncEngine.start(config)

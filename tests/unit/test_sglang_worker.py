@@ -125,6 +125,9 @@ async def test_registration(worker: Worker) -> None:
     server = await worker.sglang.GetServerInfo(sgl.GetServerInfoRequest())
     args = dict(server.server_args)
     assert (args["max_running_requests"], args["context_length"], args["page_size"]) == (16, 4096, 16)
+    limits = worker.engine.scheduler_config  # the budgets in force (sized to the model when not given)
+    assert (args["max_prefill_tokens"], args["chunked_prefill_size"]) == (limits.max_batched_tokens,
+                                                                          limits.max_prefill_chunk)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await worker.sglang.Embed(sgl.EmbedRequest())
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED

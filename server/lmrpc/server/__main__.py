@@ -83,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=64, help="outputs decoded at once (64)")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="outputs waiting beyond the running ones before RESOURCE_EXHAUSTED (256)")
-    p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens computed per engine step (512)")
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="tokens computed per engine step (default: sized to the model, 512 for SmolLM2-135M down to "
+                        "128 from ~1B parameters on a CPU; 512 on a GPU)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (16)")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="KV-cache capacity in tokens (default: a share of free memory)")

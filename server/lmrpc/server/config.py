@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from lmrpc.server.engine.grammar_limits import GrammarLimits
@@ -71,14 +71,22 @@ class SchedulerConfig:
     """Continuous batching limits."""
 
     max_running_requests: int = 64  # sequences holding pages at once
-    max_batched_tokens: int = 512  # tokens computed per step (decodes + prefill chunks)
-    max_prefill_chunk: int = 512  # longest prefill chunk of one sequence per step
+    # tokens computed per step (decodes + prefill chunks); None: sized to the model once it is loaded
+    # (engine/step_budget.py)
+    max_batched_tokens: int | None = None
+    max_prefill_chunk: int | None = None  # longest prefill chunk of one sequence per step; None: max_batched_tokens
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
-        if self.max_batched_tokens < 1 or self.max_prefill_chunk < 1:
+        if any(b is not None and b < 1 for b in (self.max_batched_tokens, self.max_prefill_chunk)):
             raise ValueError("token budgets must be >= 1")
+
+    def with_budget(self, tokens: int) -> SchedulerConfig:
+        """These limits with an unset step budget set to `tokens`, and an unset chunk limit to the step budget."""
+        batched = tokens if self.max_batched_tokens is None else self.max_batched_tokens
+        chunk = batched if self.max_prefill_chunk is None else self.max_prefill_chunk
+        return replace(self, max_batched_tokens=batched, max_prefill_chunk=chunk)
 
 
 @dataclass(frozen=True)

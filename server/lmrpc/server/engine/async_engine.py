@@ -79,6 +79,7 @@ class AsyncEngine:
         self.media_processor: MultimodalProcessor | None = engine.media_processor
         self.grammar = engine.grammar
         self.lora = engine.lora  # the loaded LoRA adapters (lora/registry.py)
+        self.scheduler_config = engine.scheduler.config  # the batching limits in force (token budgets sized)
         self._ids_by_rid: dict[str, set[str]] = {}  # event-loop side: live request ids per user rid
         self._serial = itertools.count()
         self._calls: set[asyncio.Queue[EngineOutput | EngineUnavailable]] = set()  # output queues of calls in flight

@@ -37,6 +37,7 @@ from lmrpc.server.engine.outbox import Outbox
 from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
+from lmrpc.server.engine.step_budget import macs_per_token, step_token_budget
 from lmrpc.server.engine.types import (
     Constraint,
     EngineRequest,
@@ -82,7 +83,8 @@ class Engine:
         self.media_processor = loaded.processor  # places images/audio in prompts (multimodal models); else None
         self.executor = ModelExecutor(loaded, config)
         kv = KVCacheManager(self.executor.num_pages, self.executor.page_size, config.cache.enable_prefix_cache)
-        self.scheduler = Scheduler(config.scheduler, kv, config.lora.max_loras_per_batch)
+        budget = step_token_budget(macs_per_token(self.executor.model), gpu=self.executor.device.type == "cuda")
+        self.scheduler = Scheduler(config.scheduler.with_budget(budget), kv, config.lora.max_loras_per_batch)
         # LoRA adapters: --lora-modules loaded here, on the engine thread, before serving; pinned (never evicted)
         self.lora = LoraRegistry(config.lora, self.executor.model)
         for name, path in config.lora.lora_modules:

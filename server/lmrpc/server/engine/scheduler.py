@@ -17,11 +17,16 @@ from dataclasses import replace
 from lmrpc.server.config import SchedulerConfig
 from lmrpc.server.engine.kv_cache import KVCacheManager
 from lmrpc.server.engine.sequence import ScheduledBatch, ScheduledChunk, SeqStatus, Sequence
+from lmrpc.server.engine.step_budget import MAX_STEP_TOKENS
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_adapters: int = 8) -> None:
-        self.config = config
+        # The engine sizes unset token budgets to its model first (step_budget.py); alone, the largest is used.
+        self.config = config.with_budget(MAX_STEP_TOKENS)
+        assert self.config.max_batched_tokens is not None and self.config.max_prefill_chunk is not None
+        self.step_tokens: int = self.config.max_batched_tokens  # tokens computed per step
+        self.chunk_tokens: int = self.config.max_prefill_chunk  # longest prefill chunk of one sequence per step
         self.kv = kv
         self.max_adapters = max_adapters  # distinct LoRA adapters among running sequences (--max-loras-per-batch)
         self.running: list[Sequence] = []  # holds pages; kept in arrival order
@@ -91,7 +96,7 @@ class Scheduler:
     def _schedule(self) -> ScheduledBatch:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
-        budget = self.config.max_batched_tokens
+        budget = self.step_tokens
         budget = self._schedule_decodes(chunks, preempted, budget)
         budget = self._schedule_running_prefills(chunks, budget)
         self._admit_waiting(chunks, budget)
@@ -136,7 +141,7 @@ class Scheduler:
         return budget
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
-        wanted = min(seq.num_uncomputed_tokens, budget, self.config.max_prefill_chunk)
+        wanted = min(seq.num_uncomputed_tokens, budget, self.chunk_tokens)
         return max(0, min(wanted, self.kv.max_allocatable_tokens(seq)))
 
     def _schedule_running_prefills(self, chunks: list[ScheduledChunk], budget: int) -> int:

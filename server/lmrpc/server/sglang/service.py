@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -161,8 +162,10 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
                             context: grpc.aio.ServicerContext) -> sgl.GetServerInfoResponse:
         await self.frontend.check_loaded(context)
         load = self.frontend.load()
-        return info.server_info(self.engine.model_info, self.frontend.engine_config, load.running + load.waiting,
-                                self._started, self.frontend.draining)
+        # The batching limits in force: token budgets left unset were sized to the model (engine/step_budget.py)
+        config = replace(self.frontend.engine_config, scheduler=self.engine.scheduler_config)
+        return info.server_info(self.engine.model_info, config, load.running + load.waiting, self._started,
+                                self.frontend.draining)
 
     async def GetLoads(self, request: sgl.GetLoadsRequest, context: grpc.aio.ServicerContext) -> sgl.GetLoadsResponse:
         await self.frontend.check_loaded(context)
