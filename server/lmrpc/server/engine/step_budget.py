@@ -10,7 +10,8 @@ by the model's multiply-adds per token, within [MIN_STEP_TOKENS, MAX_STEP_TOKENS
 What it may cost is throughput in a burst: prompts started in turn finish in turn, so the last steps run fewer
 rows, and each step reads the weights once more. Measured (`bench/budgets.py`, AMD EPYC Zen 4, 1.7B Q4_K_M, 64-token
 prompts arriving together, medians of per-round ratios to 512, two runs of 3 and 4 rounds): with 128, TTFT p50
-0.77-0.79x at 8 streams and 0.67-0.84x at 32; tok/s 0.98x at 8 and 0.96-1.03x at 32, within the host's noise.
+0.77-0.79x at 8 streams and 0.67-0.84x at 32; tok/s 0.98x at 8 and 0.96-1.03x at 32, within the host's noise (in
+bench/served.py runs lmrpc's 32-stream tok/s sat up to ~5% lower than with 512: not settled).
 
 GPUs keep MAX_STEP_TOKENS (a step of 512 tokens is milliseconds there). This module imports no torch.
 """
