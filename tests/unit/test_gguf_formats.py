@@ -201,31 +201,62 @@ def test_products_equal_the_reference_bitwise_for_every_row_count_and_split(fmt:
 
 
 @pytest.mark.parametrize("small", ["q4_k", "q5_k"])
-def test_k_quants_of_different_formats_stack_into_one_exact_product(small: str) -> None:
-    # Q4_K_M stores some layers' v projection in Q6_K beside q and k in Q4_K: the fused qkv product holds all three
-    # in one layout (int8 codes in groups of 16, each part's scales as stored) instead of dense values.
-    from lmrpc.server.models.weights import stack_rows
+def test_parts_of_different_formats_stack_into_one_product_each_part_as_alone(small: str) -> None:
+    # Q4_K_M stores some layers' v projection in Q6_K beside q and k in Q4_K: the fused qkv product keeps q and k
+    # (stacked, one Q4_K part) and v (a Q6_K part) in their own formats and computes each part's columns exactly as
+    # that part alone does, which is its reference's product, for every row count and thread count.
+    from lmrpc.server.models.quantized import LinearBuilder, Quantization, StackedLinear
+    from lmrpc.server.models.weights import RowParts, stack_rows
 
     k = 512
     parts = [load(small, 64, k, seed=5), load(small, 32, k, seed=6), load("q6_k", 32, k, seed=7)]
     stacked = stack_rows([p for p, _ in parts])
-    assert isinstance(stacked, PackedWeight) and stacked.label == f"{small}+q6_k"
+    assert isinstance(stacked, RowParts) and [p.label for p in stacked.parts] == [small, "q6_k"]
+    assert [p.n for p in stacked.parts] == [96, 32] and stacked.n == 128
     values = np.concatenate([r.values for _, r in parts])
-    assert np.array_equal(packing.dequantize(stacked).numpy(), values)
+    assert np.array_equal(stacked.dense().numpy(), values)
 
-    def halves(ref: Reference, t: np.ndarray | None) -> np.ndarray:  # per group of 16
-        if t is None:  # Q6_K: offset -(0 * 0)
-            return np.full((ref.codes.shape[0], k // 16), -0.0, np.float32)
-        return np.repeat(t, ref.group // 16, axis=1)
+    first = Reference(np.concatenate([r.values for _, r in parts[:2]]),
+                      np.concatenate([r.codes for _, r in parts[:2]]),
+                      np.concatenate([r.scale for _, r in parts[:2]]),
+                      np.concatenate([r.offset for _, r in parts[:2]]), parts[0][1].group)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(8))
+    residual = torch.randn(40, 128, generator=torch.Generator().manual_seed(9))
+    bias = torch.randn(128, generator=torch.Generator().manual_seed(10))
+    expected = np.concatenate([reference_product(first, x.numpy(), bf16=False),
+                               reference_product(parts[2][1], x.numpy(), bf16=False)], axis=1)
+    builder = LinearBuilder(Quantization.AUTO, torch.float32, torch.device("cpu"), native=True)
+    lin = builder.build(stacked)
+    assert isinstance(lin, StackedLinear) and lin.labels == (small, "q6_k") and lin.out_features == 128
+    with_bias = builder.build(stacked, bias)
+    alone = [builder.build(p, bias[a:b]) for p, (a, b) in zip(stacked.parts, ((0, 96), (96, 128)), strict=True)]
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, threads):
+            torch.set_num_threads(count)
+            for m in (1, 2, 7, 9, 40):
+                assert np.array_equal(lin(x[:m]).numpy(), expected[:m]), (m, count)
+                # a bias and a residual: each part's columns as that part alone gives them
+                y = with_bias(x[:m], residual=residual[:m])
+                assert torch.equal(y[:, :96], alone[0](x[:m], residual=residual[:m, :96])), (m, count)
+                assert torch.equal(y[:, 96:], alone[1](x[:m], residual=residual[:m, 96:])), (m, count)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(TypeError, match="embedding"):
+        lin.rows(torch.tensor([0]))
 
-    ref = Reference(values, np.concatenate([r.codes for _, r in parts]),
-                    np.concatenate([halves(r, r.scale) for _, r in parts]),
-                    np.concatenate([halves(r, r.offset) for _, r in parts]), 16)
-    x = torch.randn(9, k, generator=torch.Generator().manual_seed(8))
-    expected = reference_product(ref, x.numpy(), bf16=False)
-    lin = kernel(stacked, Compute.F32)
-    for m in range(1, 10):
-        assert np.array_equal(lin.forward(x[:m]).numpy(), expected[:m]), m
+
+def test_dense_builders_serve_stacked_parts_as_their_values() -> None:
+    from lmrpc.server.models.quantized import LinearBuilder, Quantization
+    from lmrpc.server.models.weights import stack_rows
+
+    parts = [load("q4_k", 32, 256, seed=1), load("q6_k", 32, 256, seed=2)]
+    stacked = stack_rows([p for p, _ in parts])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    values = torch.from_numpy(np.concatenate([r.values for _, r in parts]))
+    for quantization in (Quantization.NONE, Quantization.AUTO):
+        lin = LinearBuilder(quantization, torch.float32, torch.device("cpu"), native=False).build(stacked)
+        torch.testing.assert_close(lin(x), x @ values.T)
 
 
 def test_super_blocks_of_other_than_a_power_of_two_groups_are_refused() -> None:

@@ -12,10 +12,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
 from lora_adapters import make_adapter, make_adapter_for, merged_model
 from peft import PeftModel
+from tiny_gguf import TINY, write_tiny_llama
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -24,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     Qwen2Config,
 )
+from transformers import LlamaForCausalLM as HFLlama
 
 from lmrpc.kernels import native
 from lmrpc.kernels.paged import ChunkSpec
@@ -38,6 +41,7 @@ from lmrpc.server.models import ForwardContext
 from lmrpc.server.models.llama import LlamaForCausalLM
 from lmrpc.server.models.loader import load_model
 from lmrpc.server.models.lora_delta import RowGroup
+from lmrpc.server.models.quantized import StackedLinear
 
 PAGE = 16
 
@@ -128,8 +132,30 @@ def test_native_stack_gives_the_python_loops_bits_for_a_mixed_batch(dtype: str, 
     equal those of a step with no adapters at all."""
     model = load_model(ModelConfig(path=str(tiny_llama_dir), dtype=dtype, device="cpu")).model
     assert isinstance(model, LlamaForCausalLM)
+    _native_stack_equals_python_loop(model, lora_dir, monkeypatch)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decoder stack needs the native kernels")
+def test_native_stack_gives_the_python_loops_bits_over_products_of_stacked_parts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same over a Q4_K_M-style GGUF (q and k in Q4_K, v in Q6_K): the fused qkv product runs as two parts, and
+    the adapters' deltas land on the right columns of both in the one-call stack."""
+    path = write_tiny_llama(tmp_path / "tiny-q4_k_m.gguf", gguf.GGMLQuantizationType.Q4_K,
+                            v_down=gguf.GGMLQuantizationType.Q6_K)
+    model = load_model(ModelConfig(path=str(path), dtype="bfloat16", device="cpu")).model
+    assert isinstance(model, LlamaForCausalLM) and isinstance(model.layers[0].qkv, StackedLinear)
+    c = TINY
+    shape = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["intermediate"],
+                        num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+                        num_key_value_heads=c["kv_heads"], tie_word_embeddings=True)
+    for i, rank in enumerate((8, 4, 16), start=1):
+        make_adapter_for(HFLlama(shape), tmp_path / f"a{i}", rank=rank, alpha=2.0 * rank, seed=i)
+    _native_stack_equals_python_loop(model, tmp_path, monkeypatch)
+
+
+def _native_stack_equals_python_loop(model: LlamaForCausalLM, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     registry = LoraRegistry(LoraConfig(), model)
-    loaded = {n: registry.load(n, str(lora_dir / n), confined=False) for n in ("a1", "a2", "a3")}
+    loaded = {n: registry.load(n, str(root / n), confined=False) for n in ("a1", "a2", "a3")}
     owners: list[LoadedAdapter | None] = [None, loaded["a1"], loaded["a2"], loaded["a3"], loaded["a1"]]
     assert all(a is None or a.stack is not None for a in owners)
     generator = torch.Generator().manual_seed(5)

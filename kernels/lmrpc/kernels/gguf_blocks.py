@@ -145,25 +145,3 @@ def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
     q = q | (_bits(b[..., 16:48], 8) << 4)  # bit j of byte i: the fifth bit of sub-block j's element i
     return packing.pack_k(WeightFormat.Q6, _tensor(q.astype(np.int8), n, k, torch.int8), 32, ks, "q5_k")
-
-
-def common_k(parts: list[PackedWeight]) -> list[PackedWeight] | None:
-    """K-quant weights of different formats (Q4_K_M's q and k in Q4_K beside v in Q6_K) in one layout that holds
-    each exactly, so that they stack into one fused product: int8 codes in groups of 16 under KScales with signed
-    sc, 16 groups a super-block (a group of 32's sc and m on both its halves; Q6_K with dmin and m zero, offset
-    -(0 * 0)). Named by the formats joined ("q4_k+q6_k"). None when a part is not a K-quant."""
-    if any(p.kscales is None or p.label not in ("q4_k", "q5_k", "q6_k") for p in parts):
-        return None
-    name = "+".join(sorted({p.label for p in parts}))
-    out = []
-    for p in parts:
-        ks = p.kscales
-        assert ks is not None
-        d, dmin, sc, m = packing.kscale_rows(ks, p.n)
-        if p.group == 32:  # Q4_K, Q5_K: each group's scale and min on both halves; sc <= 63 fits int8
-            sc, m = sc.repeat_interleave(2, dim=1), None if m is None else m.repeat_interleave(2, dim=1)
-        if dmin is None or m is None:  # Q6_K
-            dmin, m = torch.zeros_like(d), torch.zeros(sc.shape, dtype=torch.uint8)
-        common = packing.pack_kscales(d, dmin, sc.to(torch.int8), m, 16)
-        out.append(packing.pack_k(WeightFormat.Q6, packing.codes_of(p).to(torch.int8), 16, common, name))
-    return out

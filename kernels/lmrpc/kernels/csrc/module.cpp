@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &PackedLinear::forward, py::arg("x"), py::arg("norm_weight") = py::none(),
            py::arg("eps") = 0.0, py::arg("silu") = false, py::arg("residual") = py::none(),
            py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def_static("stacked", &PackedLinear::stacked, py::arg("parts"))
       .def("rows", &PackedLinear::rows, py::arg("ids"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("n", &PackedLinear::n)
       .def_property_readonly("k", &PackedLinear::k)

@@ -4,7 +4,10 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <memory>
 #include <optional>
+#include <vector>
 
 #include "linear.h"
 
@@ -142,7 +145,45 @@ class PackedLinear {
     TORCH_CHECK(y.size(0) == x.size(0) && (residual == nullptr || residual->size(0) == x.size(0)),
                 "out and residual: as many rows as x");
     const lmrpc::LinearArgs a = args(x, x.size(0), norm_weight, eps, silu, residual, y);
-    lmrpc::linear(w_, compute_, a);
+    thread_local std::vector<lmrpc::LinearJob> work;  // kept between calls (a step makes hundreds)
+    work.clear();
+    jobs(a, work);
+    lmrpc::linear_batch(work.data(), static_cast<int64_t>(work.size()), compute_);
+  }
+
+  // A product over parts stacked along their rows, each kept in its own format (a Q4_K_M layer's Q4_K q and k
+  // beside its Q6_K v): its output [m, sum of the parts' n] holds part i's columns after those of parts 0..i-1.
+  // The parts run as jobs of one parallel region (linear_batch), each computing its columns exactly as it would
+  // alone; so no part is held in a wider format than its file's for the sake of one fused product.
+  static std::shared_ptr<PackedLinear> stacked(const std::vector<std::shared_ptr<PackedLinear>>& parts) {
+    TORCH_CHECK(parts.size() >= 2, "a stacked product has at least two parts");
+    std::shared_ptr<PackedLinear> s(new PackedLinear());
+    s->compute_ = parts.front()->compute_;
+    s->w_.k = parts.front()->k();
+    for (const auto& p : parts) {
+      TORCH_CHECK(p && p->parts_.empty() && p->k() == s->w_.k && p->compute_ == s->compute_,
+                  "stacked parts: plain products of the same inputs, in the same compute type");
+      s->w_.n += p->n();
+    }
+    s->parts_ = parts;
+    return s;
+  }
+
+  // The jobs of one call with arguments `a` (args()), appended to `out`: this weight's, or one per part, each
+  // writing (and adding the residual of) its own columns.
+  void jobs(const lmrpc::LinearArgs& a, std::vector<lmrpc::LinearJob>& out) const {
+    if (parts_.empty()) {
+      out.push_back({&w_, a});
+      return;
+    }
+    int64_t start = 0;
+    for (const auto& p : parts_) {
+      lmrpc::LinearArgs part = a;
+      part.y = a.y + start;
+      if (a.residual != nullptr) part.residual = a.residual + start;
+      out.push_back({&p->w_, part});
+      start += p->n();
+    }
   }
 
   // The checked arguments of m rows: x [>= m, k] ([>= m, 2k] with silu), y and residual [>= m, n]. Row i reads
@@ -181,11 +222,15 @@ class PackedLinear {
     return a;
   }
 
-  const lmrpc::PackedWeight& weight() const { return w_; }
+  const lmrpc::PackedWeight& weight() const {
+    TORCH_CHECK(parts_.empty(), "a stacked product has no one weight: use jobs()");
+    return w_;
+  }
   lmrpc::Compute compute() const { return compute_; }
 
   // Rows of the dequantized weight (embedding lookups of a tied weight): ids [t] -> [t, k] float32.
   at::Tensor rows(const at::Tensor& ids) const {
+    TORCH_CHECK(parts_.empty(), "rows of a stacked product are not served (it is never an embedding table)");
     TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: int64 [t]");
     const int64_t* p = ids.data_ptr<int64_t>();
     for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(p[i] >= 0 && p[i] < w_.n, "row id out of range");
@@ -196,9 +241,12 @@ class PackedLinear {
 
   int64_t n() const { return w_.n; }
   int64_t k() const { return w_.k; }
-  bool int8_activations() const { return w_.int8; }
+  bool int8_activations() const {
+    return w_.int8 || std::any_of(parts_.begin(), parts_.end(), [](const auto& p) { return p->w_.int8; });
+  }
   int64_t nbytes() const {
-    int64_t total = data_.nbytes();
+    int64_t total = data_.defined() ? static_cast<int64_t>(data_.nbytes()) : 0;
+    for (const auto& p : parts_) total += p->nbytes();
     for (const auto* t : {&scale_, &offset_, &bias_, &codes_, &vnni_, &kd_, &kdmin_, &ksc_, &km_}) {
       total += t->has_value() ? (*t)->nbytes() : 0;
     }
@@ -206,13 +254,16 @@ class PackedLinear {
   }
 
  private:
+  PackedLinear() = default;  // stacked(): parts instead of a weight of its own
+
   at::Tensor data_;
   std::optional<at::Tensor> scale_, offset_, bias_;
   std::optional<at::Tensor> kd_, kdmin_, ksc_, km_;  // KScales, when the weight has them
   std::optional<at::Tensor> codes_;  // PackedWeight::codes, when expanded
   std::optional<at::Tensor> vnni_;   // PackedWeight::vnni, when products take int8 activations
-  lmrpc::Compute compute_;
-  lmrpc::PackedWeight w_{};
+  lmrpc::Compute compute_ = lmrpc::Compute::F32;
+  lmrpc::PackedWeight w_{};  // a stacked product's: only n (the parts' sum) and k
+  std::vector<std::shared_ptr<PackedLinear>> parts_;  // stacked(): the parts, in output order; else empty
 };
 
 }  // namespace lmrpc_py

@@ -192,7 +192,7 @@ class DecoderStack {
     const lmrpc::LinearArgs base_args = base.args(x, x.size(0), norm, eps, silu, residual, y);
     d.first.clear();
     d.second.clear();
-    d.first.push_back({&base.weight(), base_args});
+    base.jobs(base_args, d.first);
     for (const Group& g : d.groups) {
       const auto& delta = g.adapter->layers[layer][product];
       if (!delta.has_value() || g.n == 0) continue;

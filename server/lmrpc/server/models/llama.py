@@ -215,7 +215,7 @@ class LlamaForCausalLM:
 
     def weight_formats(self) -> tuple[str, ...]:
         """The storage formats among the linear layers (sorted), e.g. ("q4_1", "q8_0")."""
-        return tuple(sorted({_format_of(lin, self.dtype) for lin in self.linear_layers()}))
+        return tuple(sorted({f for lin in self.linear_layers() for f in _formats_of(lin, self.dtype)}))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -308,7 +308,7 @@ class LlamaForCausalLM:
 
 
 
-def _format_of(linear: LinearLayer, dtype: torch.dtype) -> str:
+def _formats_of(linear: LinearLayer, dtype: torch.dtype) -> tuple[str, ...]:
     if isinstance(linear, NativeLinear):
-        return linear.weight.label
-    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+        return linear.labels
+    return ({torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype],)

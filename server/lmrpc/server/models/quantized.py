@@ -25,7 +25,7 @@ import torch
 from lmrpc.kernels import hugepages, native, packing, quantize
 from lmrpc.kernels.packing import Compute, PackedWeight, WeightFormat
 from lmrpc.server.models.linear import DenseLinear, LinearLayer
-from lmrpc.server.models.weights import Matrix
+from lmrpc.server.models.weights import Matrix, RowParts
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,31 @@ class NativeLinear:
     def int8_activations(self) -> bool:
         """Whether its products take int8 activations (asked for, and this build has them for its format)."""
         return bool(self._op.int8_activations)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The weight's format (PackedWeight.label); a stacked product's, one per part."""
+        return (self.weight.label,)
+
+
+class StackedLinear(NativeLinear):
+    """A NativeLinear over parts stacked along their rows, each in its own format (weights.RowParts): part i writes
+    its columns of the output, all parts' work shared out in one parallel region, each part computed as it would be
+    alone. The native decoder stack and LoRA take it as any other product."""
+
+    def __init__(self, parts: list[NativeLinear]) -> None:  # (no super().__init__: there is no one weight)
+        assert len(parts) > 1 and len({p.compute for p in parts}) == 1 and len({p.in_features for p in parts}) == 1
+        self.parts = parts  # in output order
+        self.compute = parts[0].compute
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        self._op = native.load().PackedLinear.stacked([p.op for p in parts])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a stacked product is never an embedding table")
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple(label for p in self.parts for label in p.labels)
 
 
 def report_int8_activations(linears: list[LinearLayer]) -> tuple[int, int]:
@@ -163,6 +188,10 @@ class LinearBuilder:
 
     def build(self, weight: Matrix, bias: torch.Tensor | None = None, output: bool = False) -> LinearLayer:
         """A layer for `weight` [out, in]; output: it is the output projection (int4 keeps it in 8 bits)."""
+        if isinstance(weight, RowParts):
+            if self.native and self.quantization in (Quantization.AUTO, Quantization.INT4):
+                return self._stacked(weight, bias)
+            weight = weight.dense()
         if not self.native:
             dense = packing.dequantize(weight) if isinstance(weight, PackedWeight) else weight
             return DenseLinear(dense.to(device=self.device, dtype=self.dtype),
@@ -175,7 +204,19 @@ class LinearBuilder:
         return NativeLinear(packed, self.compute, bias, expand_codes=expand, int8_activations=self.int8_activations,
                             arena=self.arena)
 
-    def _pack(self, weight: Matrix, output: bool) -> PackedWeight:
+    def _stacked(self, weight: RowParts, bias: torch.Tensor | None) -> StackedLinear:
+        """Each part as the file gives it (with its slice of the bias), run side by side as one product."""
+        parts: list[NativeLinear] = []
+        start = 0
+        for part in weight.parts:
+            part_bias = None if bias is None else bias[start : start + part.n]
+            built = self.build(part, part_bias)
+            assert isinstance(built, NativeLinear)
+            parts.append(built)
+            start += part.n
+        return StackedLinear(parts)
+
+    def _pack(self, weight: PackedWeight | torch.Tensor, output: bool) -> PackedWeight:
         q = self.quantization
         if isinstance(weight, PackedWeight):  # a GGUF file's own blocks
             if q in (Quantization.AUTO, Quantization.INT4):

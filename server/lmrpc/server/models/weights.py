@@ -11,6 +11,7 @@ Face's order here (a row permutation: of the blocks' bytes before packing, or of
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -23,24 +24,53 @@ from lmrpc.kernels import gguf_blocks, packing
 from lmrpc.kernels.packing import PackedWeight
 from lmrpc.server.models.gguf_file import GGUFFile, GGUFTensor
 
-Matrix = torch.Tensor | PackedWeight  # a linear layer's weight [out, in]: dense values, or packed codes
+
+@dataclass(frozen=True)
+class RowParts:
+    """Packed weights stacked along their rows but each kept in its own format: a fused product (q/k/v, gate/up)
+    whose parts come in different formats, such as a Q4_K_M layer's Q4_K q and k beside its Q6_K v. Served as one
+    product whose parts run side by side (quantized.StackedLinear), each with its own format's kernel and no more
+    bytes than its file gives it."""
+
+    parts: tuple[PackedWeight, ...]  # in output order; neighbours of one format already stacked into one part
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    def dense(self) -> torch.Tensor:
+        """The stacked weight's values [n, k] float32 (where the parts are not served as blocks)."""
+        return torch.cat([packing.dequantize(p) for p in self.parts])
+
+
+Matrix = torch.Tensor | PackedWeight | RowParts  # a linear layer's weight [out, in]: dense values, or packed codes
 
 
 def stack_rows(parts: Sequence[Matrix]) -> Matrix:
-    """Weights stacked along their rows (fused qkv and gate_up products): dense values concatenated, packed codes
-    re-packed; K-quant parts in different formats (Q4_K_M's Q4_K q and k, Q6_K v) in one 8-bit layout that holds
-    each exactly (gguf_blocks.common_k); other parts in different formats are stacked as dense values."""
-    dense = [p for p in parts if isinstance(p, torch.Tensor)]
-    if len(dense) == len(parts):
-        return torch.cat(dense)
+    """Weights stacked along their rows (fused qkv and gate_up products): dense values concatenated; packed codes of
+    one format re-packed into one weight; packed parts in different formats kept apart (RowParts), each run of
+    neighbours in one format stacked into one part. Parts mixing dense values and codes are stacked as dense."""
     packed = [p for p in parts if isinstance(p, PackedWeight)]
-    if len(packed) == len(parts):
-        if packing.stackable(packed):
-            return packing.concat_rows(packed)
-        common = gguf_blocks.common_k(packed)  # K-quants of different formats: one layout holding each exactly
-        if common is not None:
-            return packing.concat_rows(common)
-    return torch.cat([packing.dequantize(p) if isinstance(p, PackedWeight) else p for p in parts])
+    if packed and len(packed) == len(parts):
+        runs: list[list[PackedWeight]] = []
+        for p in packed:
+            if runs and packing.stackable([runs[-1][0], p]):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        stacked = [packing.concat_rows(run) if len(run) > 1 else run[0] for run in runs]
+        return stacked[0] if len(stacked) == 1 else RowParts(tuple(stacked))
+    return torch.cat([_dense(p) for p in parts])
+
+
+def _dense(m: Matrix) -> torch.Tensor:
+    if isinstance(m, PackedWeight):
+        return packing.dequantize(m)
+    return m.dense() if isinstance(m, RowParts) else m
 
 
 class WeightSource(Protocol):
