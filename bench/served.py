@@ -35,11 +35,13 @@ measured) and llama-server. Before timing, both servers answer the same greedy p
 tokens agree is printed (different files, or the same weights computed in other orders, round differently: a
 difference is reported, not fatal).
 
-Memory bandwidth is measured in the same run, before the servers start and after they stop, in a fresh process:
-torch.sum over a float32 buffer of at least 8x the L3 cache (1 GiB or more), single-threaded and with --threads
-threads, GB/s as the median of --bandwidth-passes passes. The report sets one-stream decoding against it: the bytes
-of weights one token reads (the GGUF's tensor sizes as stored, packed quantized blocks included; the tied output
-head counts the embeddings once) x decode tok/s, as a fraction of the --threads bandwidth. A server that holds the
+Memory bandwidth is measured in the same run, before the servers start and after they stop, and in each round just
+before its one-stream runs (both servers idle), in a fresh process: torch.sum over a float32 buffer of at least 8x
+the L3 cache (1 GiB or more), single-threaded and with --threads threads, GB/s as the median of --bandwidth-passes
+passes. The report sets one-stream decoding against it: the bytes of weights one token reads (the GGUF's tensor
+sizes as stored, packed quantized blocks included; the tied output head counts the embeddings once) x decode tok/s,
+as a fraction of the --threads bandwidth: of the better of the before and after reads, and round by round of the
+read just before (the median of those fractions). A server that holds the
 weights wider than the file (lmrpc serves F16 files in float32 or bfloat16, and formats it has no kernel for
 dequantized) reads more than that figure says. The host (lscpu's model name) heads the report.
 """
@@ -141,6 +143,9 @@ class Agreement:
     lmrpc: tuple[int, ...]  # lmrpc's first AGREE_TOKENS greedy tokens
     llama: tuple[int, ...]  # llama.cpp's
     first_difference: int | None  # index of the first differing token; None: they agree
+
+
+Runs = dict[str, dict[int, list[LevelRun]]]  # per system, per level of streams: each round's run
 
 
 @dataclass(frozen=True)
@@ -546,7 +551,7 @@ async def agreement(systems: dict[str, System], args: argparse.Namespace, client
 
 
 async def benchmark(args: argparse.Namespace, servers: dict[str, ServerProcess], lmrpc_target: str,
-                    llama_port: int) -> tuple[list[Agreement], dict[str, dict[int, list[LevelRun]]]]:
+                    llama_port: int) -> tuple[list[Agreement], Runs, list[list[Bandwidth]]]:
     async with AsyncClient(lmrpc_target) as client:
         systems = {"lmrpc": System("lmrpc", servers["lmrpc"], lmrpc_generate(client)),
                    "llama.cpp": System("llama.cpp", servers["llama.cpp"], llama_generate(llama_port))}
@@ -557,17 +562,20 @@ async def benchmark(args: argparse.Namespace, servers: dict[str, ServerProcess],
             for name in SYSTEMS:
                 batch = prompts(level, args.prompt_len, seed=f"warmup-{level}-{args.seed}")
                 await run_streams(systems[name], batch, WARMUP_TOKENS, args.timeout)
-        runs: dict[str, dict[int, list[LevelRun]]] = {name: {s: [] for s in args.streams} for name in SYSTEMS}
+        runs: Runs = {name: {s: [] for s in args.streams} for name in SYSTEMS}
+        reads: list[list[Bandwidth]] = []  # per round, just before its one-stream runs (both servers idle)
         for r in range(args.rounds):
             order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
             for level in args.streams:
+                if level == 1:
+                    reads.append(measure_bandwidth(args, f"round {r + 1}"))
                 batch = prompts(level, args.prompt_len, seed=f"round-{r}-{level}-{args.seed}")
                 for name in order:
                     run = await run_level(systems[name], batch, args)
                     runs[name][level].append(run)
                     print(f"served: round {r + 1}/{args.rounds} {name:>9} x{level:<3} {run.tok_s:7.1f} tok/s  "
                           f"TTFT p50 {run.ttft_p50_ms:7.0f} ms  ITL p50 {run.itl_p50_ms:6.1f} ms", file=sys.stderr)
-    return agree, runs
+    return agree, runs, reads
 
 
 # ---- output --------------------------------------------------------------------------------------------------------
@@ -585,7 +593,8 @@ def print_agreement(found: list[Agreement]) -> None:
 
 
 def table(args: argparse.Namespace, summaries: list[Summary], startup: Startup, peaks_mib: dict[str, float],
-          agree: list[Agreement], commands: dict[str, list[str]], sweeps: dict[str, list[Bandwidth]]) -> str:
+          agree: list[Agreement], commands: dict[str, list[str]], sweeps: dict[str, list[Bandwidth]],
+          runs: Runs, reads: list[list[Bandwidth]]) -> str:
     def s(x: float | None) -> str:
         return "not measured (--skip-cold)" if x is None else f"{x:.1f} s"
 
@@ -623,7 +632,7 @@ def table(args: argparse.Namespace, summaries: list[Summary], startup: Startup, 
             f"{a.prompt}: " + (f"first {len(a.lmrpc)} tokens agree" if a.first_difference is None
                                else f"differ from token {a.first_difference}") for a in agree) + ".",
     ]
-    lines += bandwidth_lines(args, summaries, sweeps)
+    lines += bandwidth_lines(args, summaries, sweeps, runs, reads)
     short = {name: sum(getattr(m, attr).short_streams for m in summaries)
              for name, attr in (("lmrpc", "lmrpc"), ("llama.cpp", "llama"))}
     if any(short.values()):
@@ -637,9 +646,12 @@ def best_bandwidth(sweeps: dict[str, list[Bandwidth]], threads: int) -> float:
     return max(b.gb_s for sweep in sweeps.values() for b in sweep if b.threads == threads)
 
 
-def bandwidth_lines(args: argparse.Namespace, summaries: list[Summary],
-                    sweeps: dict[str, list[Bandwidth]]) -> list[str]:
-    """The read bandwidth and, for one stream, the weight bytes decoded per second as a fraction of it."""
+def bandwidth_lines(args: argparse.Namespace, summaries: list[Summary], sweeps: dict[str, list[Bandwidth]],
+                    runs: Runs, reads: list[list[Bandwidth]]) -> list[str]:
+    """The read bandwidth and, for one stream, the weight bytes decoded per second as a fraction of it: against the
+    best of the reads before and after the run, and round by round against the read just before that round's
+    one-stream runs (on a shared host the bandwidth moves with the neighbours' load: the decode and its read in
+    the same minute)."""
     measured = "; ".join(f"{when}: " + ", ".join(f"{b.threads} thread{'s' * (b.threads > 1)} {b.gb_s:.1f} GB/s"
                                                   for b in sweep) for when, sweep in sweeps.items())
     lines = [f"Read bandwidth (torch.sum over {args.sweep_bytes / 2**30:.1f} GiB, median of {args.bandwidth_passes} "
@@ -655,6 +667,11 @@ def bandwidth_lines(args: argparse.Namespace, summaries: list[Summary],
         lines.append(f"One-stream decode, {name}: {run.decode_tok_s:.1f} tok/s x {per_token / 1e6:,.1f} MB of "
                      f"weights per token = {rate:.2f} GB/s, {rate / bw:.0%} of the {args.threads}-thread "
                      f"{bw:.1f} GB/s.")
+        shares = [per_token * r.decode_tok_s / 1e9 / next(b.gb_s for b in read if b.threads == args.threads)
+                  for r, read in zip(runs[name][1], reads, strict=True)]
+        reads_gb = ", ".join(f"{next(b.gb_s for b in read if b.threads == args.threads):.1f}" for read in reads)
+        lines.append(f"  round by round, against the {args.threads}-thread read just before ({reads_gb} GB/s): "
+                     f"median {statistics.median(shares):.0%} ({', '.join(f'{x:.0%}' for x in shares)}).")
     return lines
 
 
@@ -848,7 +865,7 @@ def main() -> None:
     try:
         with running(servers):
             startup, target, port = start_all(args, cache_dir, servers)
-            agree, runs = asyncio.run(benchmark(args, servers, target, port))
+            agree, runs, reads = asyncio.run(benchmark(args, servers, target, port))
             peaks = {name: server.status_kib("VmHWM") / 1024 for name, server in servers.items()}
     except ServerDied as e:
         raise SystemExit(f"served: {e}") from None
@@ -859,10 +876,11 @@ def main() -> None:
     summaries = [summarize(s, runs["lmrpc"][s], runs["llama.cpp"][s]) for s in args.streams]
     print()
     commands = {name: server.argv for name, server in servers.items()}
-    print(table(args, summaries, startup, peaks, agree, commands, sweeps))
+    print(table(args, summaries, startup, peaks, agree, commands, sweeps, runs, reads))
     if args.json:
         report = {"command": ["bench/served.py", *args.argv], "host": args.host, "models": asdict(args.models),
                   "bandwidth": {when: [asdict(b) for b in sweep] for when, sweep in sweeps.items()},
+                  "round_reads": [[asdict(b) for b in read] for read in reads],
                   "servers": commands, "startup": asdict(startup),
                   "peak_rss_mib": peaks, "agreement": [asdict(a) for a in agree],
                   "summaries": [asdict(m) for m in summaries],
