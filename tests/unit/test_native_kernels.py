@@ -304,21 +304,30 @@ def test_prefix_copy_moves_keys_and_values_of_every_layer() -> None:
     assert torch.equal(backend.values[:, 3, :, :5], backend.values[:, 1, :, :5])
 
 
+HAS_AVX2 = all(f in native._cpu_flags().split() for f in ("avx2", "fma", "f16c"))
+
+
 @pytest.mark.slow
-def test_the_portable_build_gives_the_same_guarantees(tmp_path: os.PathLike[str]) -> None:
-    """The kernels built without -march=native (the portable loops a CPU without AVX512-BF16 runs) pass the same
-    reference and invariance checks."""
-    env = {**os.environ, "LMRPC_KERNEL_ARCH": "generic"}
+@pytest.mark.parametrize("arch", ["generic", pytest.param("avx2", marks=pytest.mark.skipif(
+    not HAS_AVX2, reason="the AVX2 build needs a CPU with AVX2, FMA and F16C"))])
+def test_other_builds_give_the_same_guarantees(arch: str, tmp_path: os.PathLike[str]) -> None:
+    """The kernels built without -march=native, as the portable loops (what a CPU without AVX2 runs) or the AVX2 + FMA
+    paths (what a CPU without AVX512-BF16 runs), pass the same reference and invariance checks, GGUF's block
+    formats' bitwise references among them."""
+    env = {**os.environ, "LMRPC_KERNEL_ARCH": arch}
     here = os.path.abspath(__file__)
+    formats = os.path.join(os.path.dirname(here), "test_gguf_formats.py")
+    expect = {"generic": "not k.native_bf16() and not k.native_avx2()", "avx2": "k.native_avx2()"}[arch]
     script = (
         "import sys, pytest\n"
         "from lmrpc.kernels import native\n"
-        "assert not native.load().native_bf16(), 'expected the portable build'\n"
-        f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', {here!r}, '-k', "
-        "'not portable and (f32 or int4-bf16 or int8-bf16 or fused or attention)']))\n"
+        f"k = native.load(); assert {expect}, 'expected the {arch} build'\n"
+        f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', {here!r}, {formats!r}, '-k', "
+        "'not portable and not builds and (f32 or int4-bf16 or int8-bf16 or fused or attention or reference)']))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " error" not in result.stdout, result.stdout[-3000:]
 
 
 def products_of_every_format(bf16: bool) -> dict[str, torch.Tensor]:
@@ -366,31 +375,49 @@ def attention_outputs() -> dict[str, torch.Tensor]:
     return out
 
 
+def outputs_of_build(arch: str, bf16: bool, attention: bool, tmp_path: os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """products_of_every_format (and attention_outputs) from the kernels built with LMRPC_KERNEL_ARCH=arch, in a
+    process of their own."""
+    saved = os.path.join(tmp_path, f"{arch}.pt")
+    here = os.path.dirname(os.path.abspath(__file__))
+    expect = {"generic": "not k.native_bf16() and not k.native_avx2()", "avx2": "k.native_avx2()"}[arch]
+    script = (
+        f"import sys, torch; sys.path.insert(0, {here!r})\n"
+        "from lmrpc.kernels import native\n"
+        f"k = native.load(); assert {expect}, 'expected the {arch} build'\n"
+        "import test_native_kernels as t\n"
+        f"torch.save({{**t.products_of_every_format({bf16!r}), **(t.attention_outputs() if {attention!r} else {{}})}}, "
+        f"{saved!r})\n"
+    )
+    env = {**os.environ, "LMRPC_KERNEL_ARCH": arch}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return torch.load(saved)
+
+
+def differing(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> list[str]:
+    assert ours.keys() == theirs.keys()
+    return [key for key in ours if not torch.equal(ours[key], theirs[key])]
+
+
 @pytest.mark.slow
 def test_the_native_products_give_the_portable_loops_bits(tmp_path: os.PathLike[str]) -> None:
     """What -march=native builds here runs the portable loops' operations: float32 products give the portable
     build's bits; where the build is AVX2 (no AVX512-BF16, whose dot products round their own way), bfloat16
     products and attention do too."""
     avx2 = bool(native.load().native_avx2())
-    bf16 = avx2
-    saved = os.path.join(tmp_path, "portable.pt")
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = (
-        f"import sys, torch; sys.path.insert(0, {here!r})\n"
-        "from lmrpc.kernels import native\n"
-        "assert not native.load().native_bf16() and not native.load().native_avx2(), 'expected the portable build'\n"
-        "import test_native_kernels as t\n"
-        f"torch.save({{**t.products_of_every_format({bf16!r}), **(t.attention_outputs() if {avx2!r} else {{}})}}, "
-        f"{saved!r})\n"
-    )
-    env = {**os.environ, "LMRPC_KERNEL_ARCH": "generic"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    portable = torch.load(saved)
-    ours = {**products_of_every_format(bf16), **(attention_outputs() if avx2 else {})}
-    assert ours.keys() == portable.keys()
-    differ = [key for key in ours if not torch.equal(ours[key], portable[key])]
-    assert not differ, differ
+    portable = outputs_of_build("generic", avx2, avx2, tmp_path)
+    ours = {**products_of_every_format(avx2), **(attention_outputs() if avx2 else {})}
+    assert not differing(ours, portable)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_AVX2, reason="the AVX2 build needs a CPU with AVX2, FMA and F16C")
+def test_the_avx2_build_gives_the_portable_loops_bits(tmp_path: os.PathLike[str]) -> None:
+    """The AVX2 + FMA paths (what a CPU without AVX512-BF16 runs), built here whatever this CPU has beyond them:
+    float32 and bfloat16 products of every format and attention give the portable build's bits."""
+    avx2 = outputs_of_build("avx2", True, True, tmp_path)
+    assert not differing(avx2, outputs_of_build("generic", True, True, tmp_path))
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next_start(tmp_path: os.PathLike[str]) -> None:

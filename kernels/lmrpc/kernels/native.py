@@ -8,7 +8,8 @@ gives the same bits.
 
 `load()` returns the module, or raises `NativeKernelsUnavailable` with the reason (no compiler, a build error); the
 caller decides whether to fall back. `LMRPC_NATIVE_KERNELS=0` turns them off; `LMRPC_KERNEL_ARCH=generic` builds
-the portable loops only (tests use it to check both paths).
+the portable loops only, `LMRPC_KERNEL_ARCH=avx2` the AVX2 + FMA paths (what a CPU without AVX512-BF16 runs) on any
+x86 CPU that has AVX2, FMA and F16C: tests use them to check every path on one machine.
 """
 
 from __future__ import annotations
@@ -47,15 +48,19 @@ def _cpu_flags() -> str:
         return ""
 
 
+# LMRPC_KERNEL_ARCH: the instruction sets a build may use, beyond the compiler's baseline (the portable loops)
+ARCH_FLAGS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "generic": []}
+
+
 def _arch() -> str:
-    return os.environ.get("LMRPC_KERNEL_ARCH", "native")
+    arch = os.environ.get("LMRPC_KERNEL_ARCH", "native")
+    if arch not in ARCH_FLAGS:
+        raise NativeKernelsUnavailable(f"LMRPC_KERNEL_ARCH={arch!r}: expected one of {', '.join(ARCH_FLAGS)}")
+    return arch
 
 
 def _cflags(arch: str) -> list[str]:
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
-    if arch == "native":
-        flags.append("-march=native")
-    return flags
+    return ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17", *ARCH_FLAGS[arch]]
 
 
 def build_key(arch: str) -> str:
