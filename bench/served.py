@@ -660,6 +660,7 @@ def bandwidth_lines(args: argparse.Namespace, summaries: list[Summary], sweeps: 
     if one is None:
         return [*lines, "No one-stream level (--streams without 1): no bytes-per-token figure."]
     bw = best_bandwidth(sweeps, args.threads)
+    round_bw = [next(b.gb_s for b in read if b.threads == args.threads) for read in reads]  # GB/s, per round
     models: Models = args.models
     for name, run, per_token in (("lmrpc", one.lmrpc, models.lmrpc_bytes_per_token),
                                  ("llama.cpp", one.llama, models.llama_bytes_per_token)):
@@ -667,10 +668,9 @@ def bandwidth_lines(args: argparse.Namespace, summaries: list[Summary], sweeps: 
         lines.append(f"One-stream decode, {name}: {run.decode_tok_s:.1f} tok/s x {per_token / 1e6:,.1f} MB of "
                      f"weights per token = {rate:.2f} GB/s, {rate / bw:.0%} of the {args.threads}-thread "
                      f"{bw:.1f} GB/s.")
-        shares = [per_token * r.decode_tok_s / 1e9 / next(b.gb_s for b in read if b.threads == args.threads)
-                  for r, read in zip(runs[name][1], reads, strict=True)]
-        reads_gb = ", ".join(f"{next(b.gb_s for b in read if b.threads == args.threads):.1f}" for read in reads)
-        lines.append(f"  round by round, against the {args.threads}-thread read just before ({reads_gb} GB/s): "
+        shares = [per_token * r.decode_tok_s / 1e9 / gb_s for r, gb_s in zip(runs[name][1], round_bw, strict=True)]
+        lines.append(f"  round by round, against the {args.threads}-thread read just before "
+                     f"({', '.join(f'{gb_s:.1f}' for gb_s in round_bw)} GB/s): "
                      f"median {statistics.median(shares):.0%} ({', '.join(f'{x:.0%}' for x in shares)}).")
     return lines
 
