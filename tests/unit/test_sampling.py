@@ -15,6 +15,7 @@ from lmrpc.kernels.sampling import (
     apply_bitmask,
     filter_logits,
     process_logits,
+    row_argmax,
     sample,
     seed_key,
 )
@@ -49,6 +50,25 @@ def test_greedy_is_argmax_whatever_top_k_top_p_say() -> None:
         seeds=[None, 5, None, 7],
     )
     assert sample(logits, inputs).token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_row_argmax_is_torchs_argmax_ties_nan_and_infinities_included() -> None:
+    """The vectorised CPU argmax greedy rows take answers what torch.argmax answers: the first maximum, a NaN before
+    any number, a row of -inf its first entry, over contiguous and strided rows, in int64."""
+    logits = torch.randn(9, 49152, generator=torch.Generator().manual_seed(3))
+    logits[0, [17, 4000, 30000]] = 50.0  # a three-way tie: the first wins
+    logits[1, 123] = float("nan")
+    logits[1, 9] = float("inf")
+    logits[2, 77] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, [5, 6]] = float("nan")
+    logits[5, -1] = 1e30
+    logits[6] = 0.0
+    for case in (logits, logits[:, :40000], logits[::2], logits[3:4]):
+        got = row_argmax(case)
+        assert got.dtype == torch.int64
+        assert got.tolist() == case.argmax(dim=-1).tolist()
+    assert row_argmax(logits)[:7].tolist() == [17, 123, 77, 0, 5, 49151, 0]
 
 
 def test_top_k_1_equals_greedy() -> None:

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 GREEDY_TEMPERATURE = 1e-6  # below this a row is greedy (mirrors lmrpc.server.engine.types)
@@ -265,7 +266,7 @@ def draw(
     token_ids = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
     # A rounding corner (target == total mass) could land on a dropped token: take the best one instead.
     dropped = probs.gather(1, token_ids[:, None]).squeeze(1) <= 0
-    return torch.where(dropped, logits.argmax(dim=-1), token_ids)
+    return torch.where(dropped, row_argmax(logits), token_ids)
 
 
 def _flashinfer_draw(
@@ -304,9 +305,18 @@ def _take(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
     return None if t is None else t[idx]
 
 
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum (a NaN counts as the maximum), as torch's argmax: logits [B, vocab] ->
+    [B] int64. On CPU float32 numpy's vectorised argmax computes it: torch's CPU argmax over a row reads ~0.5 G
+    values a second (85 us of a 49k vocabulary, 1.3 ms of a 32-row step's), numpy's ~10x that."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+
+
 def sample_rows(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     """Step 5 on processed logits [B, vocab] (float32): temperature, filters, draw; greedy rows take the argmax."""
-    token_ids = logits.argmax(dim=-1)  # [B]; final for greedy rows
+    token_ids = row_argmax(logits)  # [B]; final for greedy rows
     greedy = inputs.temperature < GREEDY_TEMPERATURE  # [B]
     if bool(greedy.all()):
         return token_ids
