@@ -20,6 +20,18 @@ ONE = np.array([1.0], dtype=np.float16).view(np.uint8)  # fp16 1.0 as two bytes
 
 
 @dataclass(frozen=True)
+class KParts:
+    """A K-quant's scales as the file keeps them: scale = d * sc and offset = -(dmin * m), per super-block of
+    `super_groups` groups d and dmin, per group sc and m (small integers, as float32)."""
+
+    d: np.ndarray  # [n, supers] float32
+    sc: np.ndarray  # [n, groups] float32
+    dmin: np.ndarray | None  # [n, supers] float32
+    m: np.ndarray | None  # [n, groups] float32
+    super_groups: int
+
+
+@dataclass(frozen=True)
 class Reference:
     """What the kernels must multiply: value = code * scale (+ offset), each group's scale and offset float32."""
 
@@ -28,6 +40,7 @@ class Reference:
     scale: np.ndarray  # [n, groups] float32
     offset: np.ndarray | None  # [n, groups] float32
     group: int
+    parts: KParts | None = None  # K-quants: the scales' parts (the products fold them per super-block)
 
 
 def _fp16(rng: np.random.Generator, shape: tuple[int, ...], low: float, high: float) -> np.ndarray:
@@ -77,11 +90,16 @@ def reference(fmt: str, raw: np.ndarray, n: int, k: int) -> Reference:
         qs, high = ((16, 144, 0x11), (0, 0, 0)) if qtype == T.Q4_K else ((48, 176, 0x11), (16, 48, 0))
         scale = per_group(probe((2, 4, 0), qs, high), 32)  # 1 * d * sc - 0
         offset = per_group(probe((qs[0], qs[1], 0), high), 32)  # 0 * d * sc - dmin * m
-        return Reference(values, codes, scale, offset, 32)
+        d = per_group(probe((2, 4, 0), (4, 16, unit), qs, high), 256)  # 1 * d * 1 - 0
+        m_unit = np.array([0, 0, 0, 0, 1, 1, 1, 1, 0x10, 0x10, 0x10, 0x10], dtype=np.uint8)  # every sc = 0, m = 1
+        dmin = -per_group(probe((4, 16, m_unit)), 256)  # q * d * 0 - dmin * 1
+        parts = KParts(d, _quotient(scale, d, 8), dmin, _quotient(-offset, dmin, 8), 8)
+        return Reference(values, codes, scale, offset, 32, parts)
     if qtype == T.Q6_K:
         codes = probe((208, 210, ONE), (192, 208, 1))  # (q - 32) * 1 * 1
         scale = per_group(probe((0, 128, 0x11), (128, 192, 0xAA)), 16)  # q = 33: 1 * d * sc
-        return Reference(values, codes, scale, None, 16)
+        d = per_group(probe((0, 128, 0x11), (128, 192, 0xAA), (192, 208, 1)), 256)  # 1 * d * 1
+        return Reference(values, codes, scale, None, 16, KParts(d, _quotient(scale, d, 16), None, None, 16))
     if qtype == T.Q4_0:  # value (q - 8) * d
         codes = probe((0, 2, ONE))
         scale = per_group(probe((2, 18, 0x99)), 32)  # q = 9
@@ -99,6 +117,29 @@ def reference(fmt: str, raw: np.ndarray, n: int, k: int) -> Reference:
     scale = per_group(probe((2, 4, 0), (4, 8, 0), (8, 24, 0x11)), 32)  # q = 1, m = 0
     offset = per_group(probe((4, 24, 0)), 32)  # q = 0
     return Reference(values, codes, scale, offset, 32)
+
+
+def stacked(refs: list[Reference]) -> Reference:
+    """The reference of these weights' rows stacked in order (all of one format)."""
+    def rows(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if arrays[0] is None else np.concatenate(arrays)
+
+    parts = None
+    if refs[0].parts is not None:
+        ps = [r.parts for r in refs if r.parts is not None]
+        d, sc, dmin, m = (rows([getattr(p, f) for p in ps]) for f in ("d", "sc", "dmin", "m"))
+        assert d is not None and sc is not None
+        parts = KParts(d, sc, dmin, m, ps[0].super_groups)
+    values, codes, scale = (rows([getattr(r, f) for r in refs]) for f in ("values", "codes", "scale"))
+    assert values is not None and codes is not None and scale is not None
+    return Reference(values, codes, scale, rows([r.offset for r in refs]), refs[0].group, parts)
+
+
+def _quotient(per_group: np.ndarray, per_super: np.ndarray, super_groups: int) -> np.ndarray:
+    """Each group's integer multiplier: its value / its super-block's (exact, the value being their exact product)."""
+    q = per_group / np.repeat(per_super, super_groups, axis=1)
+    assert np.array_equal(q, np.round(q)), "a group's scale is not an integer times its super-block's"
+    return q.astype(np.float32)
 
 
 def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:

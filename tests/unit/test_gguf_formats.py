@@ -17,7 +17,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_blocks_ref import FORMATS, Reference, fma, random_blocks, reference
+from gguf_blocks_ref import FORMATS, KParts, Reference, fma, random_blocks, reference
+from gguf_blocks_ref import stacked as stacked_reference
 
 from lmrpc.kernels import gguf_blocks, native, packing
 from lmrpc.kernels.packing import Compute, PackedWeight
@@ -33,6 +34,7 @@ def reference_product(ref: Reference, x: np.ndarray, bf16: bool) -> np.ndarray:
     n, group = ref.codes.shape[0], ref.group
     w = ref.codes.astype(np.float32)  # [n, k]
     y = np.zeros((m, n), np.float32)
+    s = np.zeros((m, n), np.float32)  # K-quants: the super-block's sums times sc
     for g in range(k // group):
         cols = range(g * group, (g + 1) * group)
         if bf16:
@@ -47,13 +49,37 @@ def reference_product(ref: Reference, x: np.ndarray, bf16: bool) -> np.ndarray:
                 else:
                     odd = fma(w[None, :, j], x[:, j : j + 1], odd)
             acc = even + odd
+        if ref.parts is not None:
+            s = fma(acc, ref.parts.sc[None, :, g], s)
+            if (g + 1) % ref.parts.super_groups == 0:
+                y = _fold_super_block(ref.parts, x, group, g, s, y)
+                s = np.zeros((m, n), np.float32)
+            continue
         y = fma(acc, ref.scale[None, :, g], y)
         if ref.offset is not None:
-            total = np.zeros((m, 1), np.float32)
-            for j in cols:
-                total = total + x[:, j : j + 1]
-            y = fma(np.broadcast_to(total, (m, n)), ref.offset[None, :, g], y)
+            y = fma(np.broadcast_to(_group_sum(x, group, g), (m, n)), ref.offset[None, :, g], y)
     return y
+
+
+def _group_sum(x: np.ndarray, group: int, g: int) -> np.ndarray:
+    """[m, 1] float32: group g's inputs summed in order."""
+    total = np.zeros((x.shape[0], 1), np.float32)
+    for j in range(g * group, (g + 1) * group):
+        total = total + x[:, j : j + 1]
+    return total
+
+
+def _fold_super_block(parts: KParts, x: np.ndarray, group: int, g: int, s: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """y after the K-scaled super-block whose last group is g: y = fma(s, d, y), then y = -(M * dmin) + y with
+    M = fma(group sum, m, M) over its groups in order."""
+    sb = g // parts.super_groups
+    y = fma(s, parts.d[None, :, sb], y)
+    if parts.dmin is None or parts.m is None:
+        return y
+    total = np.zeros_like(y)
+    for j in range(g + 1 - parts.super_groups, g + 1):
+        total = fma(np.broadcast_to(_group_sum(x, group, j), y.shape), parts.m[None, :, j], total)
+    return fma(-total, parts.dmin[None, :, sb], y)
 
 
 def kernel(p: PackedWeight, compute: Compute) -> Any:
@@ -216,10 +242,7 @@ def test_parts_of_different_formats_stack_into_one_product_each_part_as_alone(sm
     values = np.concatenate([r.values for _, r in parts])
     assert np.array_equal(stacked.dense().numpy(), values)
 
-    first = Reference(np.concatenate([r.values for _, r in parts[:2]]),
-                      np.concatenate([r.codes for _, r in parts[:2]]),
-                      np.concatenate([r.scale for _, r in parts[:2]]),
-                      np.concatenate([r.offset for _, r in parts[:2]]), parts[0][1].group)
+    first = stacked_reference([r for _, r in parts[:2]])
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(8))
     residual = torch.randn(40, 128, generator=torch.Generator().manual_seed(9))
     bias = torch.randn(128, generator=torch.Generator().manual_seed(10))

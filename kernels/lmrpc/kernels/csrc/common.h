@@ -39,6 +39,8 @@
 // The same for a lambda (after its parameter list): the one-row kernels' folds, pieces and prefetches, which gcc left
 // out of line.
 #define LMRPC_LAMBDA_INLINE __attribute__((always_inline))
+// A function kept out of its callers: rarely run code whose temporaries would take a hot loop's registers.
+#define LMRPC_NOINLINE __attribute__((noinline))
 
 namespace lmrpc {
 

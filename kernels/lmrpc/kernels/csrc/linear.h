@@ -23,9 +23,10 @@ constexpr int64_t kQ6UnitBytes = 96;
 
 // GGUF K-quant scales (Q4_K, Q5_K, Q6_K), kept as the file stores them instead of as one float per group: per
 // output and super-block of 2^`super_shift` groups, fp16 d (and dmin); per output and group, 8-bit multipliers sc
-// (and m). A group's scale is d * sc and its offset -(dmin * m), both computed in float32 where a group is folded:
-// exact (an fp16 significand times an 8-bit integer fits float32's), so they are gguf's dequantize values to the
-// bit. A float32 per group would cost 2 bits per weight more than the file (Q4_K: 6 instead of 4.5); these, 0.625.
+// (and m). A group's scale is d * sc and its offset -(dmin * m) (exact in float32: an fp16 significand times an 8-bit
+// integer fits float32's, so they are gguf's dequantize values to the bit). The products fold sums per super-block:
+// each group's sum times sc, the super-block's total times d once (linear_kscales.h). A float32 per
+// group would cost 2 bits per weight more than the file (Q4_K: 6 instead of 4.5); these, 0.625.
 struct KScales {
   const uint16_t* d = nullptr;     // fp16 [n_pad / 32][supers][2][16], or null (scales are PackedWeight::scale)
   const uint16_t* dmin = nullptr;  // fp16 [n_pad / 32][supers][2][16], or null (no offsets)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -276,7 +277,8 @@ inline float lane_offset(const GroupWeights& gw, int l) {
 }
 
 #if LMRPC_AVX512
-// Tile t's 16 scales and offsets, as lane_scale and lane_offset compute them.
+// Tile t's 16 scales and offsets, as lane_scale and lane_offset compute them (the int8 products and offsets of
+// weights that are not K-scaled; bf16 and float32 products fold K-scaled weights per super-block, linear_kscales.h).
 LMRPC_INLINE __m512 scale_x16(const GroupWeights& gw, int t) {
   if (gw.kd == nullptr) return load_halfx16(gw.scale + 16 * t);
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.ksc + 16 * t));

@@ -17,38 +17,36 @@
 #include "common.h"
 #include "linear.h"
 #include "linear_impl.h"
+#include "linear_kscales.h"
 
 namespace lmrpc::linear_detail {
 
 #if LMRPC_AVX2
-// Lanes l0 .. l0 + 7 of a group's scales and offsets, as lane_scale and lane_offset compute them.
+// Lanes l0 .. l0 + 7 of a group's scales and offsets, as lane_scale and lane_offset compute them (the int8 products).
 LMRPC_INLINE __m256 scale_x8(const GroupWeights& gw, int l0) {
-  if (gw.kd == nullptr) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.scale + l0)));
+  if (gw.kd == nullptr) return load_halfx8(gw.scale + l0);
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gw.ksc + l0));
   const __m256i sc = gw.ksigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.kd + l0)));
-  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+  return _mm256_mul_ps(load_halfx8(gw.kd + l0), _mm256_cvtepi32_ps(sc));
 }
 LMRPC_INLINE __m256 offset_x8(const GroupWeights& gw, int l0) {
-  if (gw.kd == nullptr) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.offset + l0)));
-  const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gw.km + l0)));
-  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw.kdmin + l0)));
-  const __m256 dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+  if (gw.kd == nullptr) return load_halfx8(gw.offset + l0);
+  const __m256 dm = _mm256_mul_ps(load_halfx8(gw.kdmin + l0), load_u8x8(gw.km + l0));
   return _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f));  // -(dmin * m)
 }
 
-// A group's scales and offsets for 8 outputs, made once and folded into every row's sums.
+// A group's multipliers for 8 outputs, made once and folded into every row's sums.
 struct Fold8 {
   __m256 scale, offset;
   bool has_offset;
 };
 LMRPC_INLINE Fold8 fold_of(const GroupWeights& gw, int l0) {
-  const bool off = gw.has_offset();
-  return {scale_x8(gw, l0), off ? offset_x8(gw, l0) : _mm256_setzero_ps(), off};
+  const bool off = gw.offset != nullptr;
+  return {sum_scale_x8(gw, l0), off ? load_halfx8(gw.offset + l0) : _mm256_setzero_ps(), off};
 }
 
 // Y[0..7] (8 outputs of one row) after group g, from the group's sums a: fma(a, scale, Y), then fma(group sum of
-// x, offset, Y) when the group has offsets; dense weights (one group): Y = a.
+// x, offset, Y) when the group has offsets; dense weights (one group): Y = a. (K-scaled: Y is the super-block's S.)
 template <bool Q>
 LMRPC_INLINE void fold8(float* Y, __m256 a, const Fold8& f, const float* sums, int64_t g) {
   if constexpr (Q) {
@@ -129,9 +127,13 @@ inline void tile_rows(const GroupWeights& gw, const Fold8 (&f)[2], int q, int t,
 
 // R rows x P tile pairs over every group (the portable block_f32 / block_bf16's operations), two rows at a time
 // per tile so that a tile's kpair vectors serve both from registers.
-template <typename T, int R, int P, bool Q, typename Source>
+template <typename V, int R, int P, bool Q, typename Source>
 void block_avx2(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {
+  const PackedWeight& w = *src[0].at.w;
+  int64_t pairs[P];
+  for (int q = 0; q < P; ++q) pairs[q] = src[q].at.pair;
   alignas(32) float Y[R][32 * P] = {};
+  alignas(32) float T[R][32 * P] = {};  // a K-scaled weight's totals
   for (int64_t g = 0; g < groups; ++g) {
     GroupWeights gw[P];
     for (int q = 0; q < P; ++q) gw[q] = src[q].group(g);
@@ -143,11 +145,12 @@ void block_avx2(const Source* src, int64_t groups, int64_t gkp, const RowBlock& 
           f[1] = fold_of(gw[q], 16 * t + 8);
         }
         int r = 0;
-        for (; r + 2 <= R; r += 2) tile_rows<T, 2, R, P, Q>(gw[q], f, q, t, r, g, gkp, rb, Y);
-        if (r < R) tile_rows<T, 1, R, P, Q>(gw[q], f, q, t, r, g, gkp, rb, Y);
+        for (; r + 2 <= R; r += 2) tile_rows<V, 2, R, P, Q>(gw[q], f, q, t, r, g, gkp, rb, Y);
+        if (r < R) tile_rows<V, 1, R, P, Q>(gw[q], f, q, t, r, g, gkp, rb, Y);
       }
+    ks_after_group8<R, P>(Y, T, w, pairs, groups, g, rb.sums);
   }
-  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
+  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], w.k_scaled() ? T[r] : Y[r], sizeof(Y[r]));
 }
 
 // 8 bytes of a Q4 chunk -> their 8 lanes' values of kpair 2c (low nibbles) and 2c + 1 (high nibbles), as floats:
@@ -171,7 +174,10 @@ template <bool kSigned>
 void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, const float* sums, float* out) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
   const bool q4 = w.format == WeightFormat::Q4;
-  alignas(32) float Y[32] = {};
+  alignas(32) float Y[1][32] = {};
+  alignas(32) float T[1][32] = {};  // a K-scaled weight's totals
+  const int64_t pairs[1] = {p};
+  const float* const row_sums[1] = {sums};
   alignas(64) int8_t q6_codes[2][kMaxQ6Group * 32];  // Q6: two groups' codes as Q8 vectors (g % 2)
   for (int64_t g = 0; g < groups; ++g) {
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
@@ -223,11 +229,12 @@ void one_row_codes_f32(const PackedWeight& w, int64_t p, const float* x, const f
       }
     }
     for (int t = 0; t < 2; ++t) {
-      fold8<true>(Y + 16 * t, pair_sums(acc[t][0], acc[t][1]), fold_of(gw, 16 * t), sums, g);
-      fold8<true>(Y + 16 * t + 8, pair_sums(acc[t][2], acc[t][3]), fold_of(gw, 16 * t + 8), sums, g);
+      fold8<true>(Y[0] + 16 * t, pair_sums(acc[t][0], acc[t][1]), fold_of(gw, 16 * t), sums, g);
+      fold8<true>(Y[0] + 16 * t + 8, pair_sums(acc[t][2], acc[t][3]), fold_of(gw, 16 * t + 8), sums, g);
     }
+    ks_after_group8<1, 1>(Y, T, w, pairs, groups, g, row_sums);
   }
-  std::memcpy(out, Y, sizeof(Y));
+  std::memcpy(out, w.k_scaled() ? T[0] : Y[0], sizeof(Y[0]));
 }
 
 // R (<= 4) rows x one tile pair (p) of Q4 codes over every group, float32, the codes made floats in registers
@@ -237,6 +244,8 @@ template <int R, bool kSigned>
 void block_q4_f32(const PackedWeight& w, int64_t p, const RowBlock& rb) {
   const int64_t groups = w.k_pad / w.group;
   alignas(32) float Y[R][32] = {};
+  alignas(32) float T[R][32] = {};  // a K-scaled weight's totals
+  const int64_t pairs[1] = {p};
   for (int64_t g = 0; g < groups; ++g) {
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
     const uint8_t* src = static_cast<const uint8_t*>(w.data) + (p * groups + g) * 512;
@@ -260,8 +269,9 @@ void block_q4_f32(const PackedWeight& w, int64_t p, const RowBlock& rb) {
           fold8<true>(&Y[r][16 * t + 8 * half], pair_sums(acc[r][0], acc[r][1]), f, rb.sums[r], g);
         }
       }
+    ks_after_group8<R, 1>(Y, T, w, pairs, groups, g, rb.sums);
   }
-  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
+  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], w.k_scaled() ? T[r] : Y[r], sizeof(Y[r]));
 }
 
 // R (<= 4) rows x one tile pair (p) of 8-bit codes over every group, float32: each kpair's codes made floats in
@@ -273,6 +283,8 @@ template <int R>
 void block_q8_f32(const PackedWeight& w, int64_t p, const int8_t* codes, const RowBlock& rb) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2;
   alignas(32) float Y[R][32] = {};
+  alignas(32) float T[R][32] = {};  // a K-scaled weight's totals
+  const int64_t pairs[1] = {p};
   for (int64_t g = 0; g < groups; ++g) {
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
     const int8_t* src = codes + g * gkp * 64;
@@ -297,8 +309,9 @@ void block_q8_f32(const PackedWeight& w, int64_t p, const int8_t* codes, const R
           fold8<true>(&Y[r][16 * t + 8 * half], pair_sums(acc[r][0], acc[r][1]), f, rb.sums[r], g);
         }
       }
+    ks_after_group8<R, 1>(Y, T, w, pairs, groups, g, rb.sums);
   }
-  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], Y[r], sizeof(Y[r]));
+  for (int r = 0; r < R; ++r) std::memcpy(rb.out[r], w.k_scaled() ? T[r] : Y[r], sizeof(Y[r]));
 }
 
 template <int R, int P, bool Q, typename Source>
