@@ -65,6 +65,12 @@ FORMATS = {
 }
 
 
+def test_the_build_key_reads_every_source_file() -> None:
+    # A file the kernels' build key does not read could change without a rebuild: a stale module served old code.
+    assert set(native.SOURCES) == {p.name for p in native.CSRC.glob("*.cpp")}
+    assert set(native.HEADERS) == {p.name for p in native.CSRC.glob("*.h")}
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("shape", [(200, 96), (64, 576), (1000, 60)], ids=str)
 @pytest.mark.parametrize("expand_codes", [False, True], ids=["codes", "expanded"])
