@@ -340,10 +340,10 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
       }
     }
   };
-  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2
-    const int64_t at = one_row_ahead((g + kPrefetchGroups) * 512, groups * 512, P);
+  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kOneRowPrefetchGroups ahead, into L2
+    const int64_t at = one_row_ahead((g + kOneRowPrefetchGroups) * 512, groups * 512, P);
     for (int q = 0; q < P; ++q) prefetch_one_row(data + (p + q) * groups * 512 + at, 512);
-    const int64_t ahead = one_row_ahead(g + 2 * kPrefetchGroups, groups, P);  // (a line holds 1-2 groups' scales)
+    const int64_t ahead = one_row_ahead(g + 2 * kOneRowPrefetchGroups, groups, P);  // (a line: 1-2 groups' scales)
     for (int q = 0; q < P; ++q) prefetch_scales(w, p + q, groups, ahead);
   };
   one_row_grouped<P>(w, p, 8, sums, out, chunk, prefetch);
@@ -502,10 +502,10 @@ void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, con
       q6_unit_bf16(pairs[q] + g * group_bytes + u * kQ6UnitBytes, lut_lo, lut_hi, v);
     });
   };
-  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kPrefetchGroups ahead, into L2 (kOneRowHint)
-    const int64_t at = one_row_ahead((g + kPrefetchGroups) * group_bytes, groups * group_bytes, P);
+  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // kOneRowPrefetchGroups ahead, into L2 (kOneRowHint)
+    const int64_t at = one_row_ahead((g + kOneRowPrefetchGroups) * group_bytes, groups * group_bytes, P);
     for (int q = 0; q < P; ++q) prefetch_one_row(pairs[q] + at, group_bytes);
-    const int64_t ahead = one_row_ahead(g + 2 * kPrefetchGroups, groups, P);
+    const int64_t ahead = one_row_ahead(g + 2 * kOneRowPrefetchGroups, groups, P);
     for (int q = 0; q < P; ++q) prefetch_scales(w, p + q, groups, ahead);
   };
   one_row_grouped<P>(w, p, units, sums, out, unit, prefetch);
