@@ -168,6 +168,7 @@ void block_f32_ks(const Source* src, int64_t groups, int64_t gkp, const RowBlock
   }
   store_block<R, P, KS>(Y, rb);
 }
+
 // The block kernels as their callers name them: KS (a K-scaled weight) made a template argument here.
 template <int R, int P, bool Q, typename Source>
 void block_bf16(const Source* src, int64_t groups, int64_t gkp, const RowBlock& rb) {

@@ -71,10 +71,8 @@ LMRPC_INLINE void ks_fold_x16(__m512 (&Y)[R], const __m512 (&S)[R], const Packed
   for (int r = 0; r < R; ++r) Y[r] = _mm512_fnmadd_ps(M[r], dmin, Y[r]);
 }
 
-// A block of R rows over P tile pairs (`pairs`) of weight w, after group g that ends a super-block: a K-scaled
-// weight's running sums Y (the super-block's S) are folded into the block's totals, kept in rb.out (L1: R x 2P more
-// registers would spill), and restart at 0. Other weights: nothing. (The kernels loop over a super-block's groups
-// inside a loop over super-blocks, not testing g in their group loop.)
+// The super-block sums S of a block of R rows over P tile pairs (`pairs`), folded into the block's totals in rb.out
+// at the end of the super-block whose last group is g (ks_fold_x16 per tile).
 template <int R, int P>
 LMRPC_NOINLINE void ks_fold_sums(const __m512 (&S)[R][2 * P], const PackedWeight& w, const int64_t (&pairs)[P],
                                  int64_t groups, int64_t g, const RowBlock& rb) {
@@ -90,6 +88,11 @@ LMRPC_NOINLINE void ks_fold_sums(const __m512 (&S)[R][2 * P], const PackedWeight
       for (int r = 0; r < R; ++r) _mm512_storeu_ps(rb.out[r] + 16 * i, T[r]);
     }
 }
+
+// A block of R rows over P tile pairs of weight w, after group g that ends a super-block: a K-scaled weight's running
+// sums Y (the super-block's S) are folded into the block's totals, kept in rb.out (L1: R x 2P more registers would
+// spill), and restart at 0. Other weights: nothing. (The kernels loop over a super-block's groups inside a loop over
+// super-blocks, not testing g in their group loop.)
 template <int R, int P, bool KS>
 LMRPC_INLINE void ks_fold_block(__m512 (&Y)[R][2 * P], const PackedWeight& w, const int64_t (&pairs)[P],
                                 int64_t groups, int64_t g, const RowBlock& rb) {
