@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--int8-activations", action="store_true",
                         help="int4 products take int8 activations (as the server's flag)")
+    parser.add_argument("--no-int16-activations", dest="int16_activations", action="store_false",
+                        help="int4 products with float32 compute keep exact float32 inputs (as the server's flag)")
     parser.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the bundled model)")
     parser.add_argument("--max-batched-tokens", type=int, default=None,
                         help="tokens per step (as the server's flag; default: sized to the model)")
@@ -104,7 +106,7 @@ def main() -> None:
     tokens = args.streams * (args.prompt_len + args.new_tokens + 64)
     config = EngineConfig(
         model=ModelConfig(path=args.model, quantization=args.quantization, int8_activations=args.int8_activations,
-                          expand_codes=args.expand_codes),
+                          int16_activations=args.int16_activations, expand_codes=args.expand_codes),
         cache=CacheConfig(num_tokens=tokens, enable_prefix_cache=False),
         scheduler=SchedulerConfig(max_batched_tokens=args.max_batched_tokens),
         sampling_defaults="openai",  # no model-side defaults (a repetition penalty, say) on top of plain greedy
@@ -122,7 +124,8 @@ def main() -> None:
             wall = time.perf_counter() - started
             print(f"repeat {repeat + 1}: {args.streams} streams x {args.new_tokens} tokens in {wall:.2f} s, "
                   f"{args.streams * args.new_tokens / wall:.1f} tok/s ({args.quantization}"
-                  f"{', int8 activations' if args.int8_activations else ''})")
+                  f"{', int8 activations' if args.int8_activations else ''}"
+                  f"{'' if args.int16_activations else ', no int16 activations'})")
             for key in sorted(clock.totals):
                 total, count = clock.totals[key], clock.counts[key]
                 print(f"  {key:18s} {total:7.3f} s  {count:4d} x {1000 * total / count:7.2f} ms")

@@ -133,10 +133,16 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
   const int64_t k = w.k, kp = w.k_pad, groups = w.k_pad / w.group;
   const bool int8 = int8_inputs(w, a);
   in->int8 = int8;
+#if LMRPC_AVX2
+  const bool int16 = w.int16;
+#else
+  const bool int16 = false;
+#endif
+  in->int16 = int16;
   // Not zero-filled: every row is written whole below, its padding included (a serial memset of every row was 3%
   // of a prefill step).
-  if (int8) {
-    in->i8.resize(a.m * kp * kI8Width);
+  if (int8 || int16) {
+    if (int8) in->i8.resize(a.m * kp * kI8Width); else in->i16.resize(a.m * kp);
     in->d.resize(a.m * groups);
     in->dsum.resize(a.m * groups);
   } else if (compute == Compute::BF16) {
@@ -144,7 +150,7 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
   } else {
     in->f32.resize(a.m * kp);
   }
-  if (w.has_offsets() && !int8) in->sums.resize(a.m * groups);
+  if (w.has_offsets() && !int8 && !int16) in->sums.resize(a.m * groups);
   const int64_t parts = a.m >= 8 ? omp_get_max_threads() : 1;
   // Many rows: the bf16 codes bypass the caches on their way out. Between two products the previous one's weights
   // have evicted this buffer, so ordinary stores would first wait on each line's old contents from memory: in a
@@ -165,6 +171,12 @@ void prepare_inputs(const PackedWeight& w, Compute compute, const LinearArgs& a,
         quantize_row(row, kp, in->i8.data() + i * kp * kI8Width, in->d.data() + i * groups, in->dsum.data() + i * groups);
         continue;
       }
+#if LMRPC_AVX2
+      if (int16) {
+        quantize_row_int16(row, kp, in->i16.data() + i * kp, in->d.data() + i * groups, in->dsum.data() + i * groups);
+        continue;
+      }
+#endif
       if (compute == Compute::BF16) {
         // The padding is zeros, so its codes are too; `row` becomes the values the products see (for the sums).
         round_to_bf16(row, in->bf16.data() + i * kp, kp, stream);

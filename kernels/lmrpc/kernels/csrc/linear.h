@@ -65,6 +65,10 @@ struct PackedWeight {
   // Q4 weights whose products take int8 activations at every row count (but after SILU_MUL): with bfloat16
   // compute on AVX512-VNNI (reading `vnni`), or float32 compute on AVX2 (reading the Q4 layout as it is).
   bool int8 = false;
+  // Q4 weights whose products take int16 activations at every row count (float32 compute on AVX2; linear_int16.cpp):
+  // per row and group of 32 inputs, d = max |x| / 32767 and q = round(x / d). Each input is then within
+  // max |x| / 65534 of its value, finer than bfloat16 rounding for all but the group's smallest inputs.
+  bool int16 = false;
   // For the VNNI products: the codes once more, per tile pair and group 512 bytes: for quad q < 4, tile t, output
   // o, byte e: the code of k = 4q + e in the low nibble and of k = 4(q + 4) + e in the high nibble (at
   // (q * 2 + t) * 64 + 4 * o + e). Else null.

@@ -29,7 +29,11 @@ struct Inputs {
   AlignedBuffer<int8_t> i8;
   AlignedBuffer<float> d;
   AlignedBuffer<float> dsum;
-  bool int8 = false;  // the rows are in i8/d/dsum (else bf16/f32 and sums)
+  // Q4 weights with int16 activations (PackedWeight::int16): q = round(x / d), d = max |x| / 32767 per group of 32,
+  // int16 [m][k_pad]; d and d * sum(q) as for int8.
+  AlignedBuffer<int16_t> i16;
+  bool int8 = false;   // the rows are in i8/d/dsum (else bf16/f32 and sums)
+  bool int16 = false;  // the rows are in i16/d/dsum
 };
 
 // ---- quantized codes -> one group of a tile pair as kpair vectors ([kpairs][2 tiles][16 outputs][2]) ----------
@@ -477,6 +481,10 @@ void vnni_pair(const PackedWeight& w, const Inputs& in, const LinearArgs& a, Row
 #if LMRPC_AVX2
 // The same over the Q4 layout itself, AVX2, float32 compute (linear_int8.cpp).
 void int8_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p);
+// Q4 weights with int16 activations, AVX2, float32 compute (linear_int16.cpp).
+void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p);
+// One row (float32, k_pad) -> int16 codes, and per group d and d * sum(q) (linear_int16.cpp).
+void quantize_row_int16(const float* row, int64_t kp, int16_t* q, float* d, float* dsum);
 #endif
 
 // The work items of every job, split between threads (linear_products.cpp, which instantiates it for uint16_t

@@ -250,6 +250,10 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
       for (int q = 0; q < P; ++q) int8_pair_avx2(w, in, a, rr, p + q);
       return;
     }
+    if (in.int16) {
+      for (int q = 0; q < P; ++q) int16_pair_avx2(w, in, a, rr, p + q);
+      return;
+    }
     if (w.format == WeightFormat::Q4 && !one_block) {
       for (int q = 0; q < P; ++q) many_rows_q4_f32(w, in, a, rr, p + q);
       return;

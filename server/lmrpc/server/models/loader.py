@@ -30,7 +30,13 @@ from lmrpc.server.models import CausalLM, load_registry
 from lmrpc.server.models.gguf_file import GGUFFile
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import resolve_dtype
-from lmrpc.server.models.quantized import LinearBuilder, Quantization, quantization_name, report_int8_activations
+from lmrpc.server.models.quantized import (
+    LinearBuilder,
+    Quantization,
+    quantization_name,
+    report_int8_activations,
+    report_int16_activations,
+)
 from lmrpc.server.models.types import ExpertsInfo, ModelInfo
 from lmrpc.server.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
 
@@ -237,7 +243,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     processor: MultimodalProcessor | None = None
     if arch in registry:
         builder = LinearBuilder(quantization, dtype, device, native=_native_serves(device, dtype),
-                                expand_codes=config.expand_codes, int8_activations=config.int8_activations)
+                                expand_codes=config.expand_codes, int8_activations=config.int8_activations,
+                                int16_activations=config.int16_activations)
         weights: WeightSource
         if gguf is not None:
             heads = hf_config.num_attention_heads
@@ -249,6 +256,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         formats = built.weight_formats()
         if config.int8_activations:
             report_int8_activations(built.linear_layers())
+        report_int16_activations(built.linear_layers())
         experts = built.experts_info() if hasattr(built, "experts_info") else None
         if hasattr(built, "make_processor"):  # models.multimodal: takes images or audio
             processor = cast(MultimodalProcessor, built.make_processor(path))

@@ -41,7 +41,7 @@ class NativeLinear:
     """A LinearLayer over a packed weight (see the module doc)."""
 
     def __init__(self, weight: PackedWeight, compute: Compute, bias: torch.Tensor | None = None,
-                 expand_codes: bool = False, int8_activations: bool = False,
+                 expand_codes: bool = False, int8_activations: bool = False, int16_activations: bool = False,
                  arena: hugepages.Arena | None = None) -> None:
         if arena is not None:  # the weight's tensors, and its expanded codes below, in huge pages
             ks = weight.kscales
@@ -62,7 +62,8 @@ class NativeLinear:
         self._op = native.load().PackedLinear(
             int(weight.format), int(compute), weight.n, weight.k, weight.group, weight.q4_signed, weight.data,
             weight.scale, weight.offset, None if bias is None else bias.float().contiguous(),
-            expand_codes=expand_codes, int8_activations=int8_activations, codes=codes, **_kscale_args(weight),
+            expand_codes=expand_codes, int8_activations=int8_activations,
+            int16_activations=int16_activations, codes=codes, **_kscale_args(weight),
         )
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
@@ -86,6 +87,11 @@ class NativeLinear:
     def int8_activations(self) -> bool:
         """Whether its products take int8 activations (asked for, and this build has them for its format)."""
         return bool(self._op.int8_activations)
+
+    @property
+    def int16_activations(self) -> bool:
+        """Whether its products take int16 activations (asked for, and this build has them for its format)."""
+        return bool(self._op.int16_activations)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -125,6 +131,15 @@ def report_int8_activations(linears: list[LinearLayer]) -> tuple[int, int]:
         logger.info("--int8-activations: %d of %d weights take int8 activations (the MLP's down projections keep "
                     "float inputs)", took, len(linears))
     return took, len(linears)
+
+
+def report_int16_activations(linears: list[LinearLayer]) -> int:
+    """How many weights take int16 activations (logged when any does: float32 compute on AVX2, 4-bit weights)."""
+    took = sum(1 for lin in linears if isinstance(lin, NativeLinear) and lin.int16_activations)
+    if took:
+        logger.info("int16 activations: %d of %d weights (4-bit, float32 compute on AVX2; --no-int16-activations "
+                    "keeps float32 inputs)", took, len(linears))
+    return took
 
 
 def _placed(arena: hugepages.Arena, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -172,6 +187,7 @@ class LinearBuilder:
     expand_codes: bool = True  # int8 weights: keep the codes expanded to bfloat16 too (ModelConfig.expand_codes)
     codes_budget: CodesBudget = field(default_factory=CodesBudget)  # ... within this model's budget
     int8_activations: bool = False  # 4-bit weights: int8 activations where the build has them (VNNI or AVX2)
+    int16_activations: bool = False  # 4-bit weights: int16 activations where the build computes float32 on AVX2
     # where packed weights live: huge pages (one arena per model; kernels/hugepages.py)
     arena: hugepages.Arena = field(default_factory=hugepages.Arena)
 
@@ -202,7 +218,7 @@ class LinearBuilder:
         expand = (self.expand_codes and packed.label in ("q8_0", "int8") and self.compute == Compute.BF16
                   and self.codes_budget.take(2 * packed.n_pad * packed.k_pad))
         return NativeLinear(packed, self.compute, bias, expand_codes=expand, int8_activations=self.int8_activations,
-                            arena=self.arena)
+                            int16_activations=self.int16_activations, arena=self.arena)
 
     def _stacked(self, weight: RowParts, bias: torch.Tensor | None) -> StackedLinear:
         """Each part as the file gives it (with its slice of the bias), run side by side as one product."""

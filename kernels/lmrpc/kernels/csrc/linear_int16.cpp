@@ -1,0 +1,154 @@
+// Q4 weights with int16 activations (PackedWeight::int16), AVX2: the float32-compute products of CPUs without
+// AVX512-BF16. Each row is quantized per group of 32 inputs to q = round(x / d), d = max |x| / 32767 (an input moves
+// by at most max |x| / 65534: less than bfloat16 rounding, which the AVX512 route applies, moves any input above
+// 1/128 of its group's largest), and `vpmaddwd` multiplies the 4-bit codes by q in integers.
+//
+// Per row and output, for each group in order: isum = sum of code * q over its 32 inputs (exact: |isum| <= 32 * 15 *
+// 32767 < 2^24, so float(isum) is exact too), then Y = fma(float(isum) * d, scale, Y) and Y = fma(d * sum(q), offset,
+// Y) (Q4_0: offset = -8 * scale). The integer sums are exact, so neither the row block nor the order inside a group
+// can change a bit; the fold order is fixed. Why: an exact float32 product spends most of its instructions making
+// codes floats (at one row each code is used once); here a code becomes an int16 lane with one widening per 16.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+#include "linear.h"
+#include "linear_impl.h"
+#include "linear_kernels_avx2.h"
+
+namespace lmrpc::linear_detail {
+
+#if LMRPC_AVX2
+namespace {
+
+constexpr int kInt16Rows = 4;  // rows per register block: 8 accumulators + 4 code registers + 2 inputs of 16
+
+// R rows x one tile pair (p) over every group, from the Q4 layout: chunk c of a tile holds, per output o, the codes
+// of inputs 4c, 4c + 1 in the low nibbles of bytes 2o, 2o + 1 and of 4c + 2, 4c + 3 in their high nibbles. Widened
+// to int16, bytes 2o, 2o + 1 are one 32-bit lane per output, so vpmaddwd against an input pair broadcast gives that
+// output's two products summed, in int32.
+template <int R>
+void int16_block(const PackedWeight& w, int64_t p, const int16_t* const* x, const float* const* d,
+                 const float* const* dsum, bool one_row, float (*out)[32 * kMaxPairs]) {
+  const int64_t groups = w.k_pad / 32;
+  const __m256i low = _mm256_set1_epi16(0x0f);
+  const bool has_offset = w.has_offsets() || w.q4_signed;
+  alignas(32) float Y[R][32] = {};
+  const uint8_t* codes = static_cast<const uint8_t*>(w.data) + p * groups * 512;
+  const int64_t length = groups * 512;
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
+    const uint8_t* src = codes + g * 512;
+    if (one_row) {
+      // One row goes through its codes fastest: ask for them further ahead, into L2 (see kOneRowPrefetchGroups).
+      prefetch_one_row(codes + one_row_ahead((g + kOneRowPrefetchGroups) * 512, length, 1), 512);
+    } else {
+      prefetch_q4_ahead(src);
+    }
+    for (int t = 0; t < 2; ++t) {
+      __m256i acc[R][2];  // [row][outputs 0-3, 8-11 | 4-7, 12-15 of the tile]: int32 sums
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256 * t + 32 * c));
+        // Bytes widened in their 128-bit lanes (no lane crossing): outputs 0-3, 8-11 and 4-7, 12-15, each byte
+        // whole in its int16; its low nibble is one code, its high nibble the next kpair's.
+        const __m256i u0 = _mm256_unpacklo_epi8(v, _mm256_setzero_si256());
+        const __m256i u1 = _mm256_unpackhi_epi8(v, _mm256_setzero_si256());
+        const __m256i lo0 = _mm256_and_si256(u0, low), hi0 = _mm256_srli_epi16(u0, 4);
+        const __m256i lo1 = _mm256_and_si256(u1, low), hi1 = _mm256_srli_epi16(u1, 4);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const int16_t* in = x[r] + 32 * g + 4 * c;
+          const __m256i x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(in));      // inputs 4c, 4c + 1
+          const __m256i x1 = _mm256_broadcastd_epi32(_mm_loadu_si32(in + 2));  // inputs 4c + 2, 4c + 3
+          acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, x0),
+                                                                   _mm256_madd_epi16(hi0, x1)));
+          acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_add_epi32(_mm256_madd_epi16(lo1, x0),
+                                                                   _mm256_madd_epi16(hi1, x1)));
+        }
+      }
+      for (int r = 0; r < R; ++r) {  // -> outputs 0-7 | 8-15
+        const __m256i a = acc[r][0], b = acc[r][1];
+        acc[r][0] = _mm256_permute2x128_si256(a, b, 0x20);
+        acc[r][1] = _mm256_permute2x128_si256(a, b, 0x31);
+      }
+      for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7 of the tile
+        const int l0 = 16 * t + 8 * h;
+        const __m256 scale = scale_x8(gw, l0);
+        const __m256 offset = gw.has_offset() ? offset_x8(gw, l0) : _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f));
+        for (int r = 0; r < R; ++r) {
+          const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(d[r][g]));
+          __m256 y = _mm256_fmadd_ps(a, scale, _mm256_load_ps(&Y[r][l0]));
+          if (has_offset) y = _mm256_fmadd_ps(_mm256_set1_ps(dsum[r][g]), offset, y);
+          _mm256_store_ps(&Y[r][l0], y);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(out[r], Y[r], sizeof(Y[r]));
+}
+
+}  // namespace
+
+void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
+  const int64_t groups = w.k_pad / 32;
+  alignas(64) float out[kInt16Rows][32 * kMaxPairs];
+  const bool one_row = rr.size() == 1;
+  for (int64_t r0 = rr.begin; r0 < rr.end; r0 += kInt16Rows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kInt16Rows, rr.end - r0));
+    const int16_t* x[kInt16Rows];
+    const float* d[kInt16Rows];
+    const float* dsum[kInt16Rows];
+    for (int r = 0; r < rows; ++r) {
+      x[r] = in.i16.data() + (r0 + r) * w.k_pad;
+      d[r] = in.d.data() + (r0 + r) * groups;
+      dsum[r] = in.dsum.data() + (r0 + r) * groups;
+    }
+    switch (rows) {
+      case 1: int16_block<1>(w, p, x, d, dsum, one_row, out); break;
+      case 2: int16_block<2>(w, p, x, d, dsum, one_row, out); break;
+      case 3: int16_block<3>(w, p, x, d, dsum, one_row, out); break;
+      default: int16_block<4>(w, p, x, d, dsum, one_row, out); break;
+    }
+    epilogue(w, a, r0, rows, p, 1, out);
+  }
+}
+
+void quantize_row_int16(const float* row, int64_t kp, int16_t* q, float* d, float* dsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g < kp / 32; ++g) {
+    const float* x = row + 32 * g;
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float amax = 0.0f;
+    for (float v : lanes) amax = std::max(amax, v);
+    // |x * inv| <= 32767 (rounded at most to 32767.004), so the codes fit int16 without saturating.
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    __m256i v[4];
+    __m256i total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), inv),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      total = _mm256_add_epi32(total, v[j]);
+    }
+    // int32 -> int16 in order: packs interleave the 128-bit halves, the permute puts them back.
+    for (int j = 0; j < 2; ++j) {
+      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[2 * j], v[2 * j + 1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * g + 16 * j), w16);
+    }
+    alignas(32) int32_t sums[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums), total);
+    int sum = 0;
+    for (int32_t s : sums) sum += s;
+    d[g] = amax / 32767.0f;
+    dsum[g] = d[g] * static_cast<float>(sum);  // |sum| <= 32 * 32767 < 2^24: exact before the product
+  }
+}
+#endif
+
+}  // namespace lmrpc::linear_detail
