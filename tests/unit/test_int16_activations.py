@@ -11,10 +11,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_blocks_ref import Q4_FORMATS, Reference, fma, random_blocks, reference
+from gguf_blocks_ref import FORMATS, Q4_FORMATS, Reference, fma, random_blocks, reference
 
 from lmrpc.kernels import gguf_blocks, native, packing, quantize
 from lmrpc.kernels.packing import Compute, PackedWeight
@@ -48,29 +49,53 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def int16_reference(fmt: str, ref: Reference, x: np.ndarray) -> np.ndarray:
-    """y [m, n] as the int16 products compute x @ W.T."""
-    codes, scale, offset = ref.codes, ref.scale, ref.offset
+    """y [m, n] as the int16 products compute x @ W.T: per weight group (32 or 16 inputs) an exact integer sum,
+    made float32 (rounded, for 8-bit codes beyond 2^24) and scaled by its inputs' d."""
+    codes, scale, offset, group = ref.codes, ref.scale, ref.offset, ref.group
     if fmt == "q4_0":  # stored as q in 0..15 with value (q - 8) * scale
         codes, offset = codes + 8, scale * np.float32(-8)
     q, d, dsum = quantize_rows(x)
     n, groups = scale.shape
-    isum = np.einsum("mgj,ngj->mng", q, codes.astype(np.int64).reshape(n, groups, 32))  # exact
-    assert np.abs(isum).max() < 2**24  # so float32(isum) is exact too
-    y = np.zeros((x.shape[0], n), np.float32)
+    m = x.shape[0]
+    isum = np.einsum("mgj,ngj->mng", q.reshape(m, groups, group), codes.astype(np.int64).reshape(n, groups, group))
+    assert np.abs(isum).max() < 2**31  # exact in int32
+    if fmt in Q4_FORMATS:
+        assert np.abs(isum).max() < 2**24  # so float32(isum) is exact too
+    y = np.zeros((m, n), np.float32)
     for g in range(groups):
-        a = isum[:, :, g].astype(np.float32) * d[:, g : g + 1]
+        ag = g * group // 32  # the inputs' group of 32
+        a = isum[:, :, g].astype(np.float32) * d[:, ag : ag + 1]
         y = fma(a, np.broadcast_to(scale[None, :, g], y.shape), y)
         if offset is not None:
-            y = fma(np.broadcast_to(dsum[:, g : g + 1], y.shape), np.broadcast_to(offset[None, :, g], y.shape), y)
+            y = fma(np.broadcast_to(dsum[:, ag : ag + 1], y.shape), np.broadcast_to(offset[None, :, g], y.shape), y)
     return y
 
 
-@pytest.mark.parametrize("fmt", sorted(Q4_FORMATS))
+def q8_0(n: int, k: int, seed: int) -> tuple[PackedWeight, Reference]:
+    """Random Q8_0 blocks (fp16 d, then 32 int8 codes) packed as the loader packs them, and their reference."""
+    rng = np.random.default_rng(seed)
+    d = rng.uniform(1e-3, 2e-2, (n, k // 32)).astype(np.float16)
+    codes = rng.integers(-128, 128, (n, k // 32, 32), dtype=np.int8)  # -128 too: the widest code
+    raw = np.concatenate([d.view(np.uint8).reshape(n, k // 32, 2), codes.view(np.uint8)], axis=-1).reshape(n, -1)
+    p = gguf_blocks.pack_gguf(int(gguf.GGMLQuantizationType.Q8_0), raw, n, k)
+    ref = Reference(codes.astype(np.float32).reshape(n, k) * np.repeat(d.astype(np.float32), 32, axis=1),
+                    codes.astype(np.float32).reshape(n, k), d.astype(np.float32), None, 32)
+    return p, ref
+
+
+def weight_of(fmt: str, n: int, k: int) -> tuple[PackedWeight, Reference]:
+    if fmt == "q8_0":
+        return q8_0(n, k, seed=n)
+    qtype = {**Q4_FORMATS, **FORMATS}[fmt]
+    raw = random_blocks(fmt, n, k, seed=n)
+    return gguf_blocks.pack_gguf(int(qtype), raw, n, k), reference(fmt, raw, n, k)
+
+
+@pytest.mark.parametrize("fmt", sorted([*Q4_FORMATS, *FORMATS, "q8_0"]))
 def test_products_equal_the_reference_bitwise_for_every_row_count_and_split(fmt: str) -> None:
     # 64 outputs: one block of tile pairs, so two threads split its rows in uneven chunks; 100: padded tiles.
     for n, k in ((64, 512), (100, 256)):
-        raw = random_blocks(fmt, n, k, seed=n)
-        p, ref = gguf_blocks.pack_gguf(int(Q4_FORMATS[fmt]), raw, n, k), reference(fmt, raw, n, k)
+        p, ref = weight_of(fmt, n, k)
         lin = kernel(p, int16=True)
         assert lin.int16_activations and not lin.int8_activations
         x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(k))
@@ -115,9 +140,10 @@ def test_every_prologue_takes_them() -> None:
     assert float((y - exact).norm() / exact.norm()) < 1e-4
 
 
-def test_only_q4_weights_with_float32_compute_take_them_and_int8_wins() -> None:
+def test_only_block_weights_with_float32_compute_take_them_and_int8_wins() -> None:
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * 0.05
-    assert not kernel(quantize.quantize_int8(w), int16=True).int16_activations  # 8-bit codes: float inputs
+    # Per-channel int8 (one group of every input): sums span many groups of inputs, each with its own d.
+    assert not kernel(quantize.quantize_int8(w), int16=True).int16_activations
     q4 = quantize.quantize_int4(w)
     assert kernel(q4, int16=True).int16_activations
     both = kernel(q4, int16=True, int8=True)

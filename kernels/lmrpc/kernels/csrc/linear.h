@@ -65,7 +65,7 @@ struct PackedWeight {
   // Q4 weights whose products take int8 activations at every row count (but after SILU_MUL): with bfloat16
   // compute on AVX512-VNNI (reading `vnni`), or float32 compute on AVX2 (reading the Q4 layout as it is).
   bool int8 = false;
-  // Q4 weights whose products take int16 activations at every row count (float32 compute on AVX2; linear_int16.cpp):
+  // Weights whose products take int16 activations at every row count (float32 compute on AVX2; linear_int16.cpp):
   // per row and group of 32 inputs, d = max |x| / 32767 and q = round(x / d). Each input is then within
   // max |x| / 65534 of its value, finer than bfloat16 rounding for all but the group's smallest inputs.
   bool int16 = false;
@@ -129,6 +129,10 @@ void expand_codes(const PackedWeight& w, uint16_t* out);
 
 // The codes of a Q4 weight in the layout of PackedWeight::vnni: out [n_pad * k_pad / 2].
 void vnni_codes(const PackedWeight& w, uint8_t* out);
+
+// Whether products of such a weight can take int16 activations (Q4; Q8 and Q6 in groups of 32, or of 16 without
+// offsets), where the build has them (native_avx2).
+bool int16_takes(WeightFormat format, int64_t group, int64_t k_pad, bool has_offsets);
 
 bool native_bf16();  // compiled with AVX512-BF16 products
 bool native_avx2();  // compiled with AVX2 + FMA products (a CPU without AVX512-BF16)

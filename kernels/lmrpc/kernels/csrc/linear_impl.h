@@ -481,7 +481,7 @@ void vnni_pair(const PackedWeight& w, const Inputs& in, const LinearArgs& a, Row
 #if LMRPC_AVX2
 // The same over the Q4 layout itself, AVX2, float32 compute (linear_int8.cpp).
 void int8_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p);
-// Q4 weights with int16 activations, AVX2, float32 compute (linear_int16.cpp).
+// Quantized weights with int16 activations, AVX2, float32 compute (linear_int16.cpp).
 void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p);
 // One row (float32, k_pad) -> int16 codes, and per group d and d * sum(q) (linear_int16.cpp).
 void quantize_row_int16(const float* row, int64_t kp, int16_t* q, float* d, float* dsum);

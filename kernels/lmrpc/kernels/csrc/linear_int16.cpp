@@ -1,10 +1,10 @@
-// Q4 weights with int16 activations (PackedWeight::int16), AVX2: the float32-compute products of CPUs without
-// AVX512-BF16. Each row is quantized per group of 32 inputs to q = round(x / d), d = max |x| / 32767 (an input moves
+// Quantized weights with int16 activations (PackedWeight::int16), AVX2: the float32-compute products of CPUs without
+// AVX512-BF16. Q4 codes, and 8-bit ones (Q8; Q6 decoded to them a group at a time) in groups of 32 or 16. Each row is quantized per group of 32 inputs to q = round(x / d), d = max |x| / 32767 (an input moves
 // by at most max |x| / 65534: less than bfloat16 rounding, which the AVX512 route applies, moves any input above
 // 1/128 of its group's largest), and `vpmaddwd` multiplies the 4-bit codes by q in integers.
 //
-// Per row and output, for each group in order: isum = sum of code * q over its 32 inputs (exact: |isum| <= 32 * 15 *
-// 32767 < 2^24, so float(isum) is exact too), then Y = fma(float(isum) * d, scale, Y) and Y = fma(d * sum(q), offset,
+// Per row and output, for each group in order: isum = sum of code * q over its inputs (exact in int32; for Q4 codes
+// |isum| <= 32 * 15 * 32767 < 2^24, so float(isum) is exact too, for 8-bit codes float(isum) rounds once), then Y = fma(float(isum) * d, scale, Y) and Y = fma(d * sum(q), offset,
 // Y) (Q4_0: offset = -8 * scale). The integer sums are exact, so neither the row block nor the order inside a group
 // can change a bit; the fold order is fixed. Why: an exact float32 product spends most of its instructions making
 // codes floats (at one row each code is used once); here a code becomes an int16 lane with one widening per 16.
@@ -91,6 +91,71 @@ void int16_block(const PackedWeight& w, int64_t p, const int16_t* const* x, cons
   for (int r = 0; r < R; ++r) std::memcpy(out[r], Y[r], sizeof(Y[r]));
 }
 
+// R rows x one tile pair (p) of 8-bit codes (Q8, or Q6 decoded a group at a time) over every group of 16 or 32
+// inputs: per kpair and tile 32 int8 = 16 outputs x 2 inputs; sign-extended to int16 in their 128-bit lanes, each
+// output's two codes are one 32-bit lane, and vpmaddwd against the kpair's inputs broadcast gives its two products.
+// |code| <= 128: a group's isum stays below 32 * 128 * 32767 < 2^31.
+template <int R>
+void int16_codes_block(const PackedWeight& w, int64_t p, const int16_t* const* x, const float* const* d,
+                       const float* const* dsum, bool one_row, float (*out)[32 * kMaxPairs]) {
+  const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
+  const bool q6 = w.format == WeightFormat::Q6;
+  const bool has_offset = w.has_offsets();
+  alignas(32) float Y[R][32] = {};
+  alignas(64) int8_t q6_codes[2][kMaxQ6Group * 32];  // Q6: two groups' codes as Q8 vectors (g % 2)
+  const int8_t* codes = static_cast<const int8_t*>(w.data) + p * kp * 64;
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
+    const int8_t* src = codes + g * gkp * 64;
+    if (q6) {
+      // Group g + 1 is decoded now, g's codes were the step before: its loads never wait on stores just made.
+      if (g == 0) decode_q6(q6_group(w, p * kp * 2), gkp / 2, q6_codes[0]);
+      if (g + 1 < groups) decode_q6(q6_group(w, (p * kp + (g + 1) * gkp) * 2), gkp / 2, q6_codes[(g + 1) % 2]);
+      src = q6_codes[g % 2];
+    } else if (one_row) {  // the codes a few groups ahead, into L2 (64 bytes a kpair)
+      prefetch_one_row(src + kOneRowPrefetchGroups * gkp * 64, gkp * 64);
+    } else {
+      for (int64_t line = 0; line < gkp; ++line) {  // the group two ahead, into L1
+        _mm_prefetch(reinterpret_cast<const char*>(src + 2 * gkp * 64 + 64 * line), _MM_HINT_T0);
+      }
+    }
+    const int64_t ag = g * w.group / 32;  // the inputs' group of 32 (its d)
+    const int64_t x0 = 2 * g * gkp;       // the group's first input
+    for (int t = 0; t < 2; ++t) {
+      __m256i acc[R][2];  // [row][outputs 0-3, 8-11 | 4-7, 12-15 of the tile]: int32 sums
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+      for (int64_t j = 0; j < gkp; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * j + 32 * t));
+        const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v);
+        const __m256i u0 = _mm256_unpacklo_epi8(v, sign), u1 = _mm256_unpackhi_epi8(v, sign);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i xj = _mm256_broadcastd_epi32(_mm_loadu_si32(x[r] + x0 + 2 * j));  // inputs 2j, 2j + 1
+          acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(u0, xj));
+          acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(u1, xj));
+        }
+      }
+      for (int r = 0; r < R; ++r) {  // -> outputs 0-7 | 8-15
+        const __m256i a = acc[r][0], b = acc[r][1];
+        acc[r][0] = _mm256_permute2x128_si256(a, b, 0x20);
+        acc[r][1] = _mm256_permute2x128_si256(a, b, 0x31);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int l0 = 16 * t + 8 * h;
+        const __m256 scale = scale_x8(gw, l0);
+        const __m256 offset = has_offset ? offset_x8(gw, l0) : _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r) {
+          const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(d[r][ag]));
+          __m256 y = _mm256_fmadd_ps(a, scale, _mm256_load_ps(&Y[r][l0]));
+          if (has_offset) y = _mm256_fmadd_ps(_mm256_set1_ps(dsum[r][ag]), offset, y);
+          _mm256_store_ps(&Y[r][l0], y);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(out[r], Y[r], sizeof(Y[r]));
+}
+
 }  // namespace
 
 void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
@@ -107,11 +172,20 @@ void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& 
       d[r] = in.d.data() + (r0 + r) * groups;
       dsum[r] = in.dsum.data() + (r0 + r) * groups;
     }
-    switch (rows) {
-      case 1: int16_block<1>(w, p, x, d, dsum, one_row, out); break;
-      case 2: int16_block<2>(w, p, x, d, dsum, one_row, out); break;
-      case 3: int16_block<3>(w, p, x, d, dsum, one_row, out); break;
-      default: int16_block<4>(w, p, x, d, dsum, one_row, out); break;
+    if (w.format == WeightFormat::Q4) {
+      switch (rows) {
+        case 1: int16_block<1>(w, p, x, d, dsum, one_row, out); break;
+        case 2: int16_block<2>(w, p, x, d, dsum, one_row, out); break;
+        case 3: int16_block<3>(w, p, x, d, dsum, one_row, out); break;
+        default: int16_block<4>(w, p, x, d, dsum, one_row, out); break;
+      }
+    } else {
+      switch (rows) {
+        case 1: int16_codes_block<1>(w, p, x, d, dsum, one_row, out); break;
+        case 2: int16_codes_block<2>(w, p, x, d, dsum, one_row, out); break;
+        case 3: int16_codes_block<3>(w, p, x, d, dsum, one_row, out); break;
+        default: int16_codes_block<4>(w, p, x, d, dsum, one_row, out); break;
+      }
     }
     epilogue(w, a, r0, rows, p, 1, out);
   }
@@ -152,3 +226,14 @@ void quantize_row_int16(const float* row, int64_t kp, int16_t* q, float* d, floa
 #endif
 
 }  // namespace lmrpc::linear_detail
+
+namespace lmrpc {
+
+bool int16_takes(WeightFormat format, int64_t group, int64_t k_pad, bool has_offsets) {
+  if (format == WeightFormat::Q4) return true;
+  // 8-bit codes: a weight group within one group of inputs (one d); with offsets, the same group (one d * sum(q)).
+  const bool eight_bit = format == WeightFormat::Q8 || format == WeightFormat::Q6;
+  return eight_bit && (group == 32 || (group == 16 && !has_offsets)) && k_pad % 32 == 0;
+}
+
+}  // namespace lmrpc

@@ -114,9 +114,9 @@ class PackedLinear {
         w_.int8 = true;
       }
     }
-    // Int16 activations: float32 compute on AVX2, over the Q4 layout as it is (int8 wins where both are asked).
-    w_.int16 = int16_activations && !w_.int8 && fmt == lmrpc::WeightFormat::Q4 && compute_ == lmrpc::Compute::F32 &&
-               lmrpc::native_avx2();
+    // Int16 activations: float32 compute on AVX2, over the codes as stored (int8 wins where both are asked).
+    w_.int16 = int16_activations && !w_.int8 && compute_ == lmrpc::Compute::F32 && lmrpc::native_avx2() &&
+               lmrpc::int16_takes(fmt, group, k_pad, w_.has_offsets());
     // Q8 and Q6 products of many rows read these; Q4 ones expand their 4-bit codes in registers (block_q4), which is
     // faster.
     const bool eight_bit = fmt == lmrpc::WeightFormat::Q8 || fmt == lmrpc::WeightFormat::Q6;
