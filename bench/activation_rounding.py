@@ -14,6 +14,8 @@ capital of France?". Schemes:
     max16     the same per 16 inputs;  max8: per 8
     mse32     per 32, the scale among 0.70-1.00 x max|x| / 127 that minimises the group's squared error
     top2/4/8  max32 with each row's 2/4/8 largest inputs kept exact (an outlier scheme's best case)
+    i16       int16 per group of 32, d = max|x| / 32767 (AVX2 hosts' default), by default in every projection
+              and the output head (down_proj and lm_head too)
 
 A precision study, not a target: it runs on the CPU in minutes per scheme, without the server.
 """
@@ -45,17 +47,18 @@ PROMPTS = (
     "What is the opposite of cold?", "Who painted the Mona Lisa?", "What is the currency of Japan?",
 )
 INT8_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+ALL_LAYERS = (*INT8_LAYERS, "down_proj", "lm_head")  # int16 activations: every product of a block weight (AVX2)
 
 
-def int8_groups(x: torch.Tensor, group: int, fractions: tuple[float, ...] = (1.0,)) -> torch.Tensor:
-    """x [..., k] -> x rounded to int8 per `group` inputs with d = f * max|x| / 127, per group the f in `fractions`
-    with the least squared error (codes clamped to +-127)."""
+def int8_groups(x: torch.Tensor, group: int, fractions: tuple[float, ...] = (1.0,), top: int = 127) -> torch.Tensor:
+    """x [..., k] -> x rounded to int8 (or to codes up to `top`) per `group` inputs with d = f * max|x| / top, per
+    group the f in `fractions` with the least squared error (codes clamped to +-top)."""
     rows = x.reshape(-1, group)  # [groups, group]
     amax = rows.abs().amax(-1, keepdim=True)
     best, best_err = rows, torch.full_like(amax, float("inf"))
     for f in fractions:
-        d = amax * f / 127
-        q = torch.where(d > 0, torch.clamp(torch.round(rows / torch.where(d > 0, d, 1)), -127, 127) * d, 0)
+        d = amax * f / top
+        q = torch.where(d > 0, torch.clamp(torch.round(rows / torch.where(d > 0, d, 1)), -top, top) * d, 0)
         err = (q - rows).pow(2).sum(-1, keepdim=True)
         best, best_err = torch.where(err < best_err, q, best), torch.minimum(err, best_err)
     return best.reshape(x.shape)
@@ -77,7 +80,9 @@ SCHEMES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "top2": lambda x: keep_largest(x, 2),
     "top4": lambda x: keep_largest(x, 4),
     "top8": lambda x: keep_largest(x, 8),
+    "i16": lambda x: int8_groups(x, 32, top=32767),  # int16 per 32 (AVX2's default): every product of ALL_LAYERS
 }
+DEFAULT_LAYERS = {"i16": ALL_LAYERS}  # else INT8_LAYERS
 
 
 def answers(model: Any, tok: PreTrainedTokenizerBase, new_tokens: int) -> list[list[int]]:
@@ -116,7 +121,7 @@ def main() -> None:
     print(f"float32: France {tok.decode(reference[0][:10])!r}", flush=True)
     for spec in args.schemes:
         name, _, layers = spec.partition(":")
-        chosen = tuple(layers.split(",")) if layers else INT8_LAYERS
+        chosen = tuple(layers.split(",")) if layers else DEFAULT_LAYERS.get(name, INT8_LAYERS)
         rounding = SCHEMES[name]
         hooks = [module.register_forward_pre_hook(lambda _m, inputs, rounding=rounding: (rounding(inputs[0]),))
                  for path, module in model.named_modules() if path.rsplit(".", 1)[-1] in chosen]

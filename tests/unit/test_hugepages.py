@@ -130,7 +130,11 @@ def test_int8_weights_keep_copies_of_their_codes_only_within_the_models_budget()
                             codes_budget=CodesBudget(2 * copy + copy // 2))
     layers = [builder.build(dense) for _ in range(3)]
     assert layers[0].weight.n_pad * layers[0].weight.k_pad == 64 * 96
-    assert [layer.nbytes - layers[2].nbytes for layer in layers] == [copy, copy, 0]
-    assert builder.codes_budget.left == copy // 2
+    if native.load().native_bf16():
+        assert [layer.nbytes - layers[2].nbytes for layer in layers] == [copy, copy, 0]
+        assert builder.codes_budget.left == copy // 2
+    else:  # no bf16 products read a copy here (the portable loops expand codes as they go): none is made or counted
+        assert [layer.nbytes - layers[2].nbytes for layer in layers] == [0, 0, 0]
+        assert builder.codes_budget.left == 2 * copy + copy // 2
     x = torch.randn(9, 96)  # products of many rows: the ones that read the copy
     assert torch.equal(layers[0](x), layers[2](x))

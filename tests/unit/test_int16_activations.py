@@ -1,9 +1,10 @@
-"""Q4 products with int16 activations: float32 compute on AVX2 (CPUs without AVX512-BF16), on by default there
-(`--no-int16-activations` keeps float32 inputs). Each product equals, bit for bit, a reference that quantizes each row
-as the kernels define it (per group of 32: d = max|x| / 32767, q = round-half-even(x * (32767 / max|x|))) and folds
-exact integer sums against the codes gguf's `dequantize` gives (gguf_blocks_ref.py): per row and output, for each
-group in order, Y = fma(isum * d, scale, Y), then Y = fma(d * sum(q), offset, Y) (Q4_0: codes q + 8 and offset
--8 * scale), for every row count and however rows are split between threads, after every prologue."""
+"""Block weights' products with int16 activations: float32 compute on AVX2 (CPUs without AVX512-BF16), on by default
+there under `--dtype auto` (`--no-int16-activations` or `--dtype float32` keeps float32 inputs). Each product
+equals, bit for bit, a reference that quantizes each row as the kernels define it (per group of 32: d = max|x| /
+32767, q = round-half-even(x * (32767 / max|x|))) and folds exact integer sums against the codes gguf's `dequantize`
+gives (gguf_blocks_ref.py): per row and output, for each weight group in order, Y = fma(isum * d, scale, Y), then
+Y = fma(d * sum(q), offset, Y) (Q4_0: codes q + 8 and offset -8 * scale), for every row count and however rows are
+split between threads, after every prologue."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from gguf_blocks_ref import FORMATS, Q4_FORMATS, Reference, fma, random_blocks, 
 from lmrpc.kernels import gguf_blocks, native, packing, quantize
 from lmrpc.kernels.packing import Compute, PackedWeight
 from lmrpc.server.config import ModelConfig
+from lmrpc.server.models.linear import resolve_dtype
 from lmrpc.server.models.loader import load_model
 from lmrpc.server.models.quantized import NativeLinear
 
@@ -152,15 +154,19 @@ def test_only_block_weights_with_float32_compute_take_them_and_int8_wins() -> No
         assert not kernel(q4, int16=True, compute=Compute.BF16).int16_activations
 
 
-def test_the_loader_uses_them_by_default_and_the_flag_turns_them_off(
+@pytest.mark.skipif(resolve_dtype("auto", torch.device("cpu")) != torch.float32,
+                    reason="dtype auto is bfloat16 on this CPU (the AVX2 build forced on an AVX512-BF16 host)")
+def test_dtype_auto_takes_them_and_float32_or_the_flag_does_not(
         tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    def took(**kwargs: Any) -> list[bool]:
-        loaded = load_model(ModelConfig(path=str(tiny_llama_dir), dtype="float32", device="cpu",
-                                        quantization="int4", **kwargs))
+    def took(dtype: str = "auto", **kwargs: Any) -> list[bool]:
+        loaded = load_model(ModelConfig(path=str(tiny_llama_dir), dtype=dtype, device="cpu", quantization="int4",
+                                        **kwargs))
         linears = loaded.model.linear_layers()  # type: ignore[attr-defined]
         return [isinstance(lin, NativeLinear) and lin.int16_activations for lin in linears]
 
     with caplog.at_level(logging.INFO, logger="lmrpc.server.models.quantized"):
-        assert took() == [False] + [True] * 8  # the int8 output head does not; every int4 layer product does
+        # the per-channel int8 output head does not (one group of all inputs); every int4 layer product does
+        assert took() == [False] + [True] * 8
     assert "int16 activations: 8 of 9 weights" in caplog.text
     assert not any(took(int16_activations=False))
+    assert not any(took("float32"))  # asked for by name: exact float32 inputs

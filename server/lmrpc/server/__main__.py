@@ -68,11 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "but less precise: the bundled 135M model's greedy answer to 'What is the capital of "
                         "France?' no longer names Paris. Outputs stay independent of the batch")
     p.add_argument("--no-int16-activations", dest="int16_activations", action="store_false",
-                   help="4-bit weights with float32 compute (AVX2 CPUs without AVX512-BF16): keep the products' "
-                        "inputs exact float32. By default they enter as int16 per group of 32 inputs (one scale, "
-                        "error at most 1/65534 of the group's largest input: finer than the bfloat16 rounding of "
-                        "AVX512 hosts), summed exactly against the codes: one-row products 1.5-1.7x faster. "
-                        "Outputs stay independent of the batch either way")
+                   help="--dtype auto on AVX2 CPUs without AVX512-BF16 (float32 compute): keep the block weights' "
+                        "products' inputs exact float32. By default they enter as int16 per group of 32 inputs (one "
+                        "scale, error at most 1/65534 of the group's largest input: finer than the bfloat16 rounding "
+                        "auto means on AVX512 hosts), summed exactly against the codes: one-row products 1.4-1.7x "
+                        "faster. An explicit --dtype float32 keeps float32 inputs too. Outputs stay independent of "
+                        "the batch either way")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="CUDA: decode steps of up to this many sequences replay CUDA graphs captured at start "

@@ -40,10 +40,11 @@ class ModelConfig:
     # 1.4-2x faster products, every row count alike (route-invariant), but less precise (off by default:
     # SmolLM2-135M's greedy chat answers degrade).
     int8_activations: bool = False
-    # 4-bit weights with float32 compute on AVX2 CPUs (no AVX512-BF16): activations enter the products as int16
+    # dtype auto on AVX2 CPUs (no AVX512-BF16, so float32 compute): block weights' products take int16 activations
     # (per row and group of 32 inputs, d = max|x| / 32767), summed exactly against the codes in integers. Each input
-    # moves by at most max|x| / 65534, less than the bfloat16 rounding AVX512 hosts apply to all but a group's
-    # smallest inputs; one-row products 1.5-1.7x faster (kernels/csrc/linear_int16.cpp). False: exact float32.
+    # moves by at most max|x| / 65534, less than the bfloat16 rounding that auto means on AVX512 hosts moves all but a
+    # group's smallest inputs; one-row products 1.4-1.7x faster (kernels/csrc/linear_int16.cpp). An explicit float32
+    # dtype, or False here, keeps exact float32 inputs.
     int16_activations: bool = True
 
     def __post_init__(self) -> None:

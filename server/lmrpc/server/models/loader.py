@@ -244,7 +244,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if arch in registry:
         builder = LinearBuilder(quantization, dtype, device, native=_native_serves(device, dtype),
                                 expand_codes=config.expand_codes, int8_activations=config.int8_activations,
-                                int16_activations=config.int16_activations)
+                                int16_activations=config.int16_activations and config.dtype == "auto")
         weights: WeightSource
         if gguf is not None:
             heads = hf_config.num_attention_heads

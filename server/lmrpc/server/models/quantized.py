@@ -214,9 +214,10 @@ class LinearBuilder:
                                None if bias is None else bias.to(self.device))
         packed = self._pack(weight, output)
         # A bfloat16 copy of the codes (2 bytes a weight) only for 8-bit formats (the 5- and 6-bit GGUF formats held
-        # in 6 bits would take about 3x their file's bits), only where bf16 products read it, and within the budget.
+        # in 6 bits would take about 3x their file's bits), only where bf16 products read it (AVX512-BF16: elsewhere
+        # the kernel would leave it untouched, and it must not spend the budget), and within the budget.
         expand = (self.expand_codes and packed.label in ("q8_0", "int8") and self.compute == Compute.BF16
-                  and self.codes_budget.take(2 * packed.n_pad * packed.k_pad))
+                  and bool(native.load().native_bf16()) and self.codes_budget.take(2 * packed.n_pad * packed.k_pad))
         return NativeLinear(packed, self.compute, bias, expand_codes=expand, int8_activations=self.int8_activations,
                             int16_activations=self.int16_activations, arena=self.arena)
 
