@@ -7,7 +7,8 @@
 // number of rows.
 //
 // This file: the inputs (prologues, rounding) and the public functions; linear_products.cpp: the products and the
-// work split; linear_kernels.h: the micro-kernels; linear_int8.cpp: int8 activations; linear_impl.h: the rest.
+// work split; linear_kernels.h: the micro-kernels; linear_int8.cpp: int8 activations; linear_int16.cpp: AVX2's int16
+// activations; linear_impl.h: the rest.
 #include "linear.h"
 
 #include <algorithm>
@@ -83,13 +84,7 @@ void quantize_row(const float* row, int64_t kp, int8_t* q, float* d, float* dsum
     // The loop below, 8 at a time: max is exact in any order, the product and round-to-nearest-even are the same
     // operations, the sum is of integers. So the same bits (a decode step quantizes a row per product).
     {
-      const __m256 sign = _mm256_set1_ps(-0.0f);
-      __m256 m = _mm256_setzero_ps();
-      for (int j = 0; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, m);
-      float amax = 0.0f;
-      for (float v : lanes) amax = std::max(amax, v);
+      const float amax = group_amax32(x);
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       __m256i v[4];
       __m256i total = _mm256_setzero_si256();

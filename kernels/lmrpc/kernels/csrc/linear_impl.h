@@ -36,6 +36,20 @@ struct Inputs {
   bool int16 = false;  // the rows are in i16/d/dsum
 };
 
+#if LMRPC_AVX2
+// max |x| over a group of 32 inputs (exact in any order): the scale of its integer activations.
+inline float group_amax32(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int j = 0; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.0f;
+  for (float v : lanes) amax = std::max(amax, v);
+  return amax;
+}
+#endif
+
 // ---- quantized codes -> one group of a tile pair as kpair vectors ([kpairs][2 tiles][16 outputs][2]) ----------
 
 inline int q4_value(uint8_t code, bool is_signed) { return is_signed ? static_cast<int>(code) - 8 : code; }

@@ -192,15 +192,9 @@ void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& 
 }
 
 void quantize_row_int16(const float* row, int64_t kp, int16_t* q, float* d, float* dsum) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < kp / 32; ++g) {
     const float* x = row + 32 * g;
-    __m256 m = _mm256_setzero_ps();
-    for (int j = 0; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, m);
-    float amax = 0.0f;
-    for (float v : lanes) amax = std::max(amax, v);
+    const float amax = group_amax32(x);
     // |x * inv| <= 32767 (rounded at most to 32767.004), so the codes fit int16 without saturating.
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
     __m256i v[4];
