@@ -193,7 +193,7 @@ class Frontend:
     @staticmethod
     async def observed(
         context: grpc.aio.ServicerContext, call: CallObserver, messages: AsyncGenerator[T, None]
-    ) -> AsyncIterator[T]:
+    ) -> AsyncGenerator[T, None]:
         """`messages`, with the call's final status reported to `call` however the call ends; an engine that
         cannot serve ends the call UNAVAILABLE. (A client that stops reading is wire.py's: it sets the code first.)"""
         # Metrics, the call's span and the request log see every way a call ends, so the status is decided here.

@@ -10,7 +10,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -153,7 +153,7 @@ class AsyncEngine:
         if not done.wait(timeout=300):
             raise TimeoutError("engine warm-up did not finish in 300 s")
 
-    async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[EngineOutput]:
+    async def generate(self, requests: list[EngineRequest]) -> AsyncGenerator[EngineOutput, None]:
         """Outputs of `requests` as they come. Raises EngineUnavailable when the engine cannot serve (now, or later:
         the watchdog fails calls in flight)."""
         if self.failure is not None:

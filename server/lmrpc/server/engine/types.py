@@ -7,7 +7,7 @@ answers with `EngineOutput` deltas. Everything here is immutable once built, so 
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -254,10 +254,11 @@ class EngineStats:
 class EngineClient(Protocol):
     """What the servicer needs from the engine (implemented by engine.AsyncEngine)."""
 
-    def generate(self, requests: list[EngineRequest]) -> AsyncIterator[EngineOutput]:
+    def generate(self, requests: list[EngineRequest]) -> AsyncGenerator[EngineOutput, None]:
         """Submit requests; yield their outputs as they come, ending after every request finished.
 
-        Closing the iterator early (cancel, deadline) aborts the unfinished requests and frees their pages.
+        Closing the generator early (cancel, deadline) aborts the unfinished requests and frees their pages; callers
+        close it explicitly (contextlib.aclosing), so that this happens before their own close returns.
         """
         ...
 

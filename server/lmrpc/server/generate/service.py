@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
@@ -109,8 +110,11 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         call = CallObserver(self.frontend.metrics, rid=",".join(request.rid) or None)
-        async for msg in self.frontend.observed(context, call, self._generate(request, context, call)):
-            yield msg
+        # Every generator down to the engine's is closed explicitly: a closed call aborts its engine requests before
+        # the close returns, never later when the event loop (or the cycle collector) finalizes a dropped generator.
+        async with aclosing(self.frontend.observed(context, call, self._generate(request, context, call))) as msgs:
+            async for msg in msgs:
+                yield msg
 
     async def _generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext, call: CallObserver
@@ -126,44 +130,46 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         priority = request.priority if request.HasField("priority") else 0
         async with self.frontend.admitted(context, engine_requests, priority) as admitted:
             call.queued(admitted)
-            async for msg in self._stream(request, admitted, default_rid, context, call):
-                yield msg
+            async with aclosing(self._stream(request, admitted, default_rid, context, call)) as msgs:
+                async for msg in msgs:
+                    yield msg
 
     async def _stream(
         self, request: generate_pb2.GenerateRequest, engine_requests: list[EngineRequest], default_rid: str | None,
         context: grpc.aio.ServicerContext, call: CallObserver,
-    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
         if default_rid:
             await context.send_initial_metadata((("x-request-id", default_rid),))
         by_id = {r.request_id: r for r in engine_requests}
         experts = self.engine.model_info.experts
         merged = {r.request_id: Gathered() for r in engine_requests}
-        async for out in self.engine.generate(engine_requests):
-            call.output(out)
-            req = by_id[out.request_id]
-            if request.stream:
-                msg = generate_pb2.GenerateResponse(
-                    index=req.index, rid=req.rid, text=out.text, token_ids=out.token_ids,
-                    output_logprobs=[position_pb(p) for p in out.output_logprobs],
-                    input_logprobs=[position_pb(p) for p in out.input_logprobs],
-                    hidden_states=hidden_pb(out.hidden_states),
-                    routed_experts=routed_pb([out.routed_experts] if out.routed_experts else [], experts),
-                )
-                set_finish(msg, out.finish, out.usage)
-                yield msg
-                continue
-            m = merged[out.request_id]
-            m.add(out)
-            if out.finish is not None:
-                msg = generate_pb2.GenerateResponse(
-                    index=req.index, rid=req.rid, text=m.text, token_ids=m.token_ids,
-                    output_logprobs=[position_pb(p) for p in m.output_logprobs],
-                    input_logprobs=[position_pb(p) for p in m.input_logprobs],
-                    hidden_states=hidden_pb(m.hidden_states),
-                    routed_experts=routed_pb(m.routed, experts),
-                )
-                set_finish(msg, m.finish, m.usage)
-                yield msg
+        async with aclosing(self.engine.generate(engine_requests)) as outputs:
+            async for out in outputs:
+                call.output(out)
+                req = by_id[out.request_id]
+                if request.stream:
+                    msg = generate_pb2.GenerateResponse(
+                        index=req.index, rid=req.rid, text=out.text, token_ids=out.token_ids,
+                        output_logprobs=[position_pb(p) for p in out.output_logprobs],
+                        input_logprobs=[position_pb(p) for p in out.input_logprobs],
+                        hidden_states=hidden_pb(out.hidden_states),
+                        routed_experts=routed_pb([out.routed_experts] if out.routed_experts else [], experts),
+                    )
+                    set_finish(msg, out.finish, out.usage)
+                    yield msg
+                    continue
+                m = merged[out.request_id]
+                m.add(out)
+                if out.finish is not None:
+                    msg = generate_pb2.GenerateResponse(
+                        index=req.index, rid=req.rid, text=m.text, token_ids=m.token_ids,
+                        output_logprobs=[position_pb(p) for p in m.output_logprobs],
+                        input_logprobs=[position_pb(p) for p in m.input_logprobs],
+                        hidden_states=hidden_pb(m.hidden_states),
+                        routed_experts=routed_pb(m.routed, experts),
+                    )
+                    set_finish(msg, m.finish, m.usage)
+                    yield msg
 
     async def Abort(
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext

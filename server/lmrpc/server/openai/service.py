@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -70,8 +70,11 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
                    outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[openai_pb2.CompleteResponse]:
             return completions.CompletionStream(plan, self.frontend.engine, call).respond(outputs)
 
-        async for msg in self.frontend.observed(context, call, self._run(context, call, request, build, answer)):
-            yield msg
+        run = self._run(context, call, request, build, answer)
+        # Closed explicitly, so that a closed call's engine requests are aborted before the close returns.
+        async with aclosing(self.frontend.observed(context, call, run)) as msgs:
+            async for msg in msgs:
+                yield msg
 
     async def ChatComplete(
         self, request: openai_pb2.ChatCompleteRequest, context: grpc.aio.ServicerContext
@@ -87,8 +90,11 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
                    outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[openai_pb2.ChatCompleteResponse]:
             return chat.ChatStream(plan, self.frontend.engine, call).respond(outputs)
 
-        async for msg in self.frontend.observed(context, call, self._run(context, call, request, build, answer)):
-            yield msg
+        run = self._run(context, call, request, build, answer)
+        # Closed explicitly, so that a closed call's engine requests are aborted before the close returns.
+        async with aclosing(self.frontend.observed(context, call, run)) as msgs:
+            async for msg in msgs:
+                yield msg
 
     async def _run(
         self, context: grpc.aio.ServicerContext, call: CallObserver, request: _Request,
@@ -115,10 +121,8 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
             if default_rid:
                 await context.send_initial_metadata((("x-request-id", default_rid),))
             try:
-                # Closed here however the call ends, so that unfinished engine requests are aborted at once (it is
-                # an async generator, typed as the iterator the engine protocol promises).
-                generation = cast(AsyncGenerator[EngineOutput, None], self.frontend.engine.generate(requests))
-                async with aclosing(generation) as outputs:
+                # Closed here however the call ends, so that unfinished engine requests are aborted at once.
+                async with aclosing(self.frontend.engine.generate(requests)) as outputs:
                     async for msg in answer(plan, outputs):
                         yield msg
             except EngineFailure as exc:

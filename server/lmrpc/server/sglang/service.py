@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
 
@@ -75,8 +76,10 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
         self, request: sgl.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[sgl.GenerateResponse]:
         call = CallObserver(self.frontend.metrics, rid=request.request_id or None)
-        async for msg in self.frontend.observed(context, call, self._generate(request, context, call)):
-            yield msg
+        # Closed explicitly down to the engine's generator: a closed call aborts its engine requests at once.
+        async with aclosing(self.frontend.observed(context, call, self._generate(request, context, call))) as msgs:
+            async for msg in msgs:
+                yield msg
 
     async def _generate(
         self, request: sgl.GenerateRequest, context: grpc.aio.ServicerContext, call: CallObserver
@@ -92,14 +95,15 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
             call.queued(admitted)
             states = {r.request_id: responses.OutputState(index=r.index, prompt_tokens=len(r.prompt_ids))
                       for r in admitted}
-            async for out in self.engine.generate(admitted):
-                call.output(out)
-                try:
-                    messages = responses.responses(rid, states[out.request_id], out, request.stream)
-                except responses.OutputFailed as exc:
-                    await context.abort(exc.code, str(exc))
-                for msg in messages:
-                    yield msg
+            async with aclosing(self.engine.generate(admitted)) as outputs:
+                async for out in outputs:
+                    call.output(out)
+                    try:
+                        messages = responses.responses(rid, states[out.request_id], out, request.stream)
+                    except responses.OutputFailed as exc:
+                        await context.abort(exc.code, str(exc))
+                    for msg in messages:
+                        yield msg
 
     async def _build(self, request: sgl.GenerateRequest, rid: str) -> list[EngineRequest]:
         """The request checked (validation.py's rules), its constraint compiled and its adapter resolved."""
