@@ -8,8 +8,10 @@ and the rest. Engine alone (no gRPC), the bundled model at its defaults unless t
 Each repeat sends --streams requests of random token ids at once (greedy, EOS ignored, prefix cache off so every
 repeat prefills), after one untimed warm-up run. Per repeat it prints wall time and tok/s, then per kind of step
 (prefill: any chunk of more than one token; decode: one token per sequence) the count, total and mean time of the
-whole step and of the model's forward, and the step phases outside the forward summed over all steps. One run on a
-shared machine proves little: compare repeats, and A/B a change in alternating runs.
+whole step and of the model's forward, and the step phases outside the forward summed over all steps. On a GPU the
+forward's timer waits for the device (torch.cuda.synchronize), so its work is counted there, not in the first phase
+that reads a result back (the sampler). One run on a shared machine proves little: compare repeats, and A/B a change
+in alternating runs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import random
 import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
@@ -38,10 +42,17 @@ class StepClock:
         self.counts: collections.Counter[str] = collections.Counter()
         self.kind: str | None = None
         forward = engine.executor.forward
+        on_gpu = engine.executor.device.type == "cuda"
+
+        def forward_done(batch: ScheduledBatch) -> Any:
+            out = forward(batch)
+            if on_gpu:
+                torch.cuda.synchronize()  # kernels run asynchronously: count them here, not in the sampler
+            return out
 
         def timed_forward(batch: ScheduledBatch) -> Any:
             self.kind = "decode" if all(c.num_tokens == 1 for c in batch.chunks) else "prefill"
-            return self._time(f"forward {self.kind}", forward, batch)
+            return self._time(f"forward {self.kind}", forward_done, batch)
 
         engine.executor.forward = timed_forward
         step = engine.step
