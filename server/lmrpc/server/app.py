@@ -20,6 +20,7 @@ from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.generate.service import GenerateService
+from lmrpc.server.heap import keep_numpy_off_huge_pages
 from lmrpc.server.metrics import Metrics, MetricsServer
 from lmrpc.server.models.loader import cache_root
 from lmrpc.server.openai.service import OpenAIService
@@ -119,6 +120,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
 
     try:
         # Probes answer NOT_SERVING while the model loads and warms up, off the event loop.
+        keep_numpy_off_huge_pages()  # before loading: heap.py says why
         engine = await asyncio.to_thread(AsyncEngine.start, engine_config)
         await asyncio.to_thread(engine.warmup)
     except BaseException:

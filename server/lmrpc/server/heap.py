@@ -9,6 +9,15 @@ works; a trim runs once per idle period, so it never sits between two steps. Loa
 arenas for a 1.7B model): the loader calls `trim_heap()` once it is done, and the engine's start once more after the
 grammar tables are built (a 49k-token vocabulary's build leaves ~50 MB), both before the KV pool is allocated. Where
 the C library has no malloc_trim (musl, macOS), this does nothing.
+
+NumPy, on Linux, advises transparent huge pages (`madvise(MADV_HUGEPAGE)`) for every array of 4 MiB or more. Such an
+array can sit inside a malloc arena (glibc's mmap threshold rises to 32 MiB once a large block is freed), and the
+advice outlives the array: that part of the arena stays huge-page memory, where the first touch of any byte faults in
+2 MiB and khugepaged fills partly used 2 MiB ranges. A 1.7B GGUF's load leaves some 400 MiB of arena address space so
+marked (its blocks pass through numpy); serving then put up to 45 MiB of huge pages there, on top of what the same
+allocations take in plain pages. The server turns numpy's advice off before it loads a model
+(`keep_numpy_off_huge_pages`); what should be in huge pages (weights, the KV cache) is placed there on purpose
+(`lmrpc.kernels.hugepages`).
 """
 
 from __future__ import annotations
@@ -17,6 +26,11 @@ import ctypes
 import ctypes.util
 import logging
 from collections.abc import Callable
+
+try:
+    from numpy._core import multiarray as _multiarray  # numpy >= 2
+except ImportError:  # numpy 1.26
+    from numpy.core import multiarray as _multiarray  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +45,12 @@ def _malloc_trim() -> Callable[[], int] | None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: int(trim(0))
+
+
+def keep_numpy_off_huge_pages() -> None:
+    """NumPy's arrays from now on get no MADV_HUGEPAGE advice (above: it outlives them in the malloc arenas)."""
+    # A process-wide switch, the one NUMPY_MADVISE_HUGEPAGE sets at import (numpy >= 1.20; not in numpy's stubs).
+    _multiarray._set_madvise_hugepage(False)  # type: ignore[attr-defined]
 
 
 def trim_heap() -> None:
