@@ -11,10 +11,10 @@ grammar tables are built (a 49k-token vocabulary's build leaves ~50 MB), both be
 the C library has no malloc_trim (musl, macOS), this does nothing.
 
 NumPy, on Linux, advises transparent huge pages (`madvise(MADV_HUGEPAGE)`) for every array of 4 MiB or more. Such an
-array can sit inside a malloc arena (glibc's mmap threshold rises to 32 MiB once a large block is freed), and the
-advice outlives the array: that part of the arena stays huge-page memory, where the first touch of any byte faults in
-2 MiB and khugepaged fills partly used 2 MiB ranges. A 1.7B GGUF's load leaves some 400 MiB of arena address space so
-marked (its blocks pass through numpy); serving then put up to 45 MiB of huge pages there, on top of what the same
+array can sit inside a malloc arena (glibc's mmap threshold rises to 32 MiB once a large block is freed), and the advice
+outlives the array: that part of the arena stays huge-page memory, where the first touch of any byte faults in 2 MiB and
+khugepaged fills partly used 2 MiB ranges. A 1.7B GGUF's load leaves some 400 MiB of arena address space so marked (its
+blocks pass through numpy); serving then put up to 44 MiB there, 40 of it in 2 MiB pages, on top of what the same
 allocations take in plain pages. The server turns numpy's advice off before it loads a model
 (`keep_numpy_off_huge_pages`); what should be in huge pages (weights, the KV cache) is placed there on purpose
 (`lmrpc.kernels.hugepages`).
