@@ -1,11 +1,13 @@
-// The ceilings of AVX2 + FMA float32 products of 4-bit codes, one thread, nothing read beyond L1: (1) FMAs alone on 12
-// independent accumulators; (2) the many-row Q4 kernel's inner step (block_q4_f32 in
+// The ceilings of AVX2 products of 4-bit codes, one thread, nothing read beyond L1: (1) FMAs alone on 12 independent
+// accumulators; (2) the many-row float32 Q4 kernel's inner step (block_q4_f32 in
 // kernels/lmrpc/kernels/csrc/linear_kernels_avx2.h) for R rows: 16 bytes of codes made 4 float vectors (q4_lanes: zero
 // extend, mask / shift, convert), then per row two input broadcasts and 4 FMAs; (3) the same step without the
-// conversion (the codes' vectors held in registers). Prints G multiply-adds a second. A kernel figure from
-// bench/products.py (`OMP_NUM_THREADS=1`) reads against these. Not product code.
+// conversion (the codes' vectors held in registers); (4) vpmaddwd + vpaddd alone; (5) the one-row int16 step
+// (int16_block in linear_int16.cpp): 32 bytes of codes widened to int16, masked / shifted, 4 vpmaddwd against two
+// broadcast input pairs. Prints G multiply-adds a second. A kernel figure from bench/products.py (`OMP_NUM_THREADS=1`)
+// reads against these. Not product code.
 //
-//   g++ -O3 -mavx2 -mfma bench/f32_q4_peak.cpp -o /tmp/f32_q4_peak && /tmp/f32_q4_peak
+//   g++ -O3 -mavx2 -mfma bench/avx2_q4_peak.cpp -o /tmp/avx2_q4_peak && /tmp/avx2_q4_peak
 #include <immintrin.h>
 
 #include <chrono>
@@ -73,9 +75,50 @@ double q4_step() {
   return kSteps * R * 4.0 * 8 / s / 1e9;
 }
 
+alignas(64) int16_t int16_inputs[64];
+
+double madd_only() {
+  __m256i acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_set1_epi32(i);
+  __m256i a = _mm256_set1_epi16(3), b = _mm256_set1_epi16(5);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long k = 0; k < kSteps; ++k) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(a, b));
+    __asm__ volatile("" : "+x"(a), "+x"(b));  // not hoisted out of the loop
+  }
+  const double s = seconds_since(t0);
+  int sink = 0;
+  for (int i = 0; i < 8; ++i) sink += _mm256_extract_epi32(acc[i], 0);
+  std::printf("  (sink %d)\n", sink);
+  return kSteps * 8.0 * 16 / s / 1e9;
+}
+
+double int16_one_row_step() {
+  const __m256i low = _mm256_set1_epi16(0x0f);
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long k = 0; k < kSteps; ++k) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * (k & 127)));
+    const __m256i u0 = _mm256_unpacklo_epi8(v, _mm256_setzero_si256());
+    const __m256i u1 = _mm256_unpackhi_epi8(v, _mm256_setzero_si256());
+    const __m256i lo0 = _mm256_and_si256(u0, low), hi0 = _mm256_srli_epi16(u0, 4);
+    const __m256i lo1 = _mm256_and_si256(u1, low), hi1 = _mm256_srli_epi16(u1, 4);
+    const int16_t* in = int16_inputs + 4 * (k & 15);
+    const __m256i x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(in));
+    const __m256i x1 = _mm256_broadcastd_epi32(_mm_loadu_si32(in + 2));
+    acc0 = _mm256_add_epi32(acc0, _mm256_add_epi32(_mm256_madd_epi16(lo0, x0), _mm256_madd_epi16(hi0, x1)));
+    acc1 = _mm256_add_epi32(acc1, _mm256_add_epi32(_mm256_madd_epi16(lo1, x0), _mm256_madd_epi16(hi1, x1)));
+  }
+  const double s = seconds_since(t0);
+  std::printf("  (sink %d)\n", _mm256_extract_epi32(acc0, 0) + _mm256_extract_epi32(acc1, 1));
+  return kSteps * 64.0 / s / 1e9;
+}
+
 }  // namespace
 
 int main() {
+  for (int i = 0; i < 64; ++i) int16_inputs[i] = static_cast<int16_t>(100 * i);
   for (int r = 0; r < 6; ++r)
     for (int j = 0; j < 32; ++j) inputs[r][j] = 1e-3;
   for (int i = 0; i < 4096; ++i) codes[i] = static_cast<uint8_t>(i * 7);
@@ -84,4 +127,6 @@ int main() {
   std::printf("step, 2 rows, codes converted: %.2f\n", q4_step<2, true>());
   std::printf("step, 4 rows, codes converted: %.2f\n", q4_step<4, true>());
   std::printf("step, 6 rows, codes converted: %.2f\n", q4_step<6, true>());
+  std::printf("vpmaddwd + vpaddd alone: %.2f\n", madd_only());
+  std::printf("one-row int16 step: %.2f\n", int16_one_row_step());
 }
