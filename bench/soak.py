@@ -1,7 +1,7 @@
 """Soak: mixed traffic against a real server for a given time, watching for what only time shows.
 
     .venv/bin/python bench/soak.py --duration 1800 --json soak.json     # the 30-minute run (docs/reliability.md)
-    .venv/bin/python bench/soak.py --duration 120 --warmup 30           # the CI-sized run (tests/e2e/test_soak.py)
+    .venv/bin/python bench/soak.py --duration 90 --warmup 30            # the CI-sized run (tests/e2e/test_soak.py)
 
 The traffic, from --concurrency workers each picking at random: streamed and merged Generate calls, n > 1 with
 seeds, structured output (regex, JSON schema), logprobs (prompt and top-k), a cancel after the first deltas, an
