@@ -25,19 +25,101 @@ namespace {
 
 constexpr int kInt16Rows = 4;  // rows per register block: 8 accumulators + 4 code registers + 2 inputs of 16
 
-// R rows x one tile pair (p) over every group, from the Q4 layout: chunk c of a tile holds, per output o, the codes
-// of inputs 4c, 4c + 1 in the low nibbles of bytes 2o, 2o + 1 and of 4c + 2, 4c + 3 in their high nibbles. Widened
-// to int16, bytes 2o, 2o + 1 are one 32-bit lane per output, so vpmaddwd against an input pair broadcast gives that
-// output's two products summed, in int32.
-template <int R>
-void int16_block(const PackedWeight& w, int64_t p, const int16_t* const* x, const float* const* d,
-                 const float* const* dsum, bool one_row, float (*out)[32 * kMaxPairs]) {
-  const int64_t groups = w.k_pad / 32;
+// The Q4 step's sums come out of vpmaddwd per tile in two registers, h = 0 holding outputs 0-3, 8-11 and h = 1
+// outputs 4-7, 12-15 (its bytes widened within 128-bit lanes). The running sums are kept in that order and the
+// multipliers loaded in it, so no lane crosses a 128-bit half per group (a cross-lane permute is 8 micro-ops on
+// Zen 1); the totals are put in output order once, at the end. Tile t's 8 values of half h, from its 16 at `at`:
+LMRPC_INLINE __m256 split_halfx8(const uint16_t* at, int h) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 8));
+  return _mm256_cvtph_ps(h == 0 ? _mm_unpacklo_epi64(a, b) : _mm_unpackhi_epi64(a, b));
+}
+LMRPC_INLINE __m256 split_u8x8(const uint8_t* at, int h, bool is_signed) {
+  // dwords 0, 2 | 1, 3: bytes 0-3, 8-11 then 4-7, 12-15
+  const __m128i s = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)), 0xD8);
+  const __m128i b = h == 0 ? s : _mm_unpackhi_epi64(s, s);
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// A Q4 group's multipliers for tile t, half h, in the split order: Y = fma(float(isum) * d, scale, Y), then
+// Y = fma(d * sum(q), offset, Y) where the weight has offsets (the values scale_x8 and offset_x8 give). A K-scaled
+// weight's d and dmin are its super-block's, converted once per super-block into kd and kdmin ([tile][half]).
+struct SplitFold {
+  __m256 scale, offset;
+};
+LMRPC_INLINE SplitFold split_fold(const PackedWeight& w, const GroupWeights& gw, const __m256 (&kd)[2][2],
+                                  const __m256 (&kdmin)[2][2], int t, int h) {
+  if (gw.kd != nullptr) {
+    const __m256 scale = _mm256_mul_ps(kd[t][h], split_u8x8(gw.ksc + 16 * t, h, gw.ksigned));
+    if (gw.km == nullptr) return {scale, _mm256_setzero_ps()};
+    const __m256 dm = _mm256_mul_ps(kdmin[t][h], split_u8x8(gw.km + 16 * t, h, false));
+    return {scale, _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f))};  // -(dmin * m)
+  }
+  const __m256 scale = split_halfx8(gw.scale + 16 * t, h);
+  if (gw.offset != nullptr) return {scale, split_halfx8(gw.offset + 16 * t, h)};
+  return {scale, w.q4_signed ? _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps()};
+}
+
+// Group g's d and dmin of a K-scaled weight's super-block into kd and kdmin, when g starts one.
+LMRPC_INLINE void split_super(const PackedWeight& w, const GroupWeights& gw, int64_t g, __m256 (&kd)[2][2],
+                              __m256 (&kdmin)[2][2]) {
+  if (gw.kd == nullptr || (g & ((int64_t{1} << w.ks.super_shift) - 1)) != 0) return;
+  for (int t = 0; t < 2; ++t)
+    for (int h = 0; h < 2; ++h) {
+      kd[t][h] = split_halfx8(gw.kd + 16 * t, h);
+      if (gw.kdmin != nullptr) kdmin[t][h] = split_halfx8(gw.kdmin + 16 * t, h);
+    }
+}
+
+// Chunk c of a Q4 group's tile (32 bytes at `at`): per output o, the codes of inputs 4c, 4c + 1 in the low nibbles of
+// bytes 2o, 2o + 1 and of 4c + 2, 4c + 3 in their high nibbles. Widened to int16, bytes 2o, 2o + 1 are one 32-bit
+// lane per output, so vpmaddwd against an input pair broadcast gives that output's two products summed, in int32:
+// acc[h] += the four products of each output of half h.
+LMRPC_INLINE void q4_int16_chunk(const uint8_t* at, __m256i x0, __m256i x1, __m256i (&acc)[2]) {
   const __m256i low = _mm256_set1_epi16(0x0f);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  const __m256i u0 = _mm256_unpacklo_epi8(v, _mm256_setzero_si256());
+  const __m256i u1 = _mm256_unpackhi_epi8(v, _mm256_setzero_si256());
+  const __m256i lo0 = _mm256_and_si256(u0, low), hi0 = _mm256_srli_epi16(u0, 4);
+  const __m256i lo1 = _mm256_and_si256(u1, low), hi1 = _mm256_srli_epi16(u1, 4);
+  acc[0] = _mm256_add_epi32(acc[0], _mm256_add_epi32(_mm256_madd_epi16(lo0, x0), _mm256_madd_epi16(hi0, x1)));
+  acc[1] = _mm256_add_epi32(acc[1], _mm256_add_epi32(_mm256_madd_epi16(lo1, x0), _mm256_madd_epi16(hi1, x1)));
+  // Integer sums are associative, and gcc took that to sum an unrolled group's products as a tree after the loop,
+  // spilling them (one-row products ~2x slower on Zen 1): the sums stay running, in registers.
+  __asm__("" : "+x"(acc[0]), "+x"(acc[1]));
+}
+
+// Inputs 4c, 4c + 1 and 4c + 2, 4c + 3 of a row's group, each pair broadcast to every 32-bit lane.
+LMRPC_INLINE void input_pairs(const int16_t* in, __m256i& x0, __m256i& x1) {
+  x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(in));
+  x1 = _mm256_broadcastd_epi32(_mm_loadu_si32(in + 2));
+}
+
+// Y (split order, [tile][half] of 8) after a group whose integer sums are acc, for a row with the group's d and
+// d * sum(q): the operations of the file header, in its order.
+LMRPC_INLINE __m256 fold_split(__m256 y, __m256i acc, __m256 d, __m256 dsum, const SplitFold& f, bool has_offset) {
+  y = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), d), f.scale, y);
+  return has_offset ? _mm256_fmadd_ps(dsum, f.offset, y) : y;
+}
+
+// Split-order totals [tile][half] -> 32 outputs in order.
+LMRPC_INLINE void store_split(const __m256 (&Y)[2][2], float* out) {
+  for (int t = 0; t < 2; ++t) {
+    _mm256_storeu_ps(out + 16 * t, _mm256_permute2f128_ps(Y[t][0], Y[t][1], 0x20));
+    _mm256_storeu_ps(out + 16 * t + 8, _mm256_permute2f128_ps(Y[t][0], Y[t][1], 0x31));
+  }
+}
+
+// One row x one tile pair (p) over every group of Q4 codes: int16_block's operations per output, laid out for one
+// row: each chunk's input pairs broadcast once for both tiles, the sums held in registers.
+void int16_row_q4(const PackedWeight& w, int64_t p, const int16_t* x, const float* d, const float* dsum,
+                  bool one_row, float* out) {
+  const int64_t groups = w.k_pad / 32;
   const bool has_offset = w.has_offsets() || w.q4_signed;
-  alignas(32) float Y[R][32] = {};
   const uint8_t* codes = static_cast<const uint8_t*>(w.data) + p * groups * 512;
   const int64_t length = groups * 512;
+  __m256 Y[2][2], kd[2][2] = {}, kdmin[2][2] = {};
+  for (int t = 0; t < 2; ++t) Y[t][0] = Y[t][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
     const uint8_t* src = codes + g * 512;
@@ -47,48 +129,67 @@ void int16_block(const PackedWeight& w, int64_t p, const int16_t* const* x, cons
     } else {
       prefetch_q4_ahead(src);
     }
+    split_super(w, gw, g, kd, kdmin);
+    __m256i acc[2][2];  // [tile][half]: int32 sums
+    for (int t = 0; t < 2; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __m256i x0, x1;
+      input_pairs(x + 32 * g + 4 * c, x0, x1);
+      for (int t = 0; t < 2; ++t) q4_int16_chunk(src + 256 * t + 32 * c, x0, x1, acc[t]);
+    }
+    const __m256 dg = _mm256_set1_ps(d[g]), sg = _mm256_set1_ps(dsum[g]);
+    for (int t = 0; t < 2; ++t)
+      for (int h = 0; h < 2; ++h)
+        Y[t][h] = fold_split(Y[t][h], acc[t][h], dg, sg, split_fold(w, gw, kd, kdmin, t, h), has_offset);
+  }
+  store_split(Y, out);
+}
+
+// R rows x one tile pair (p) over every group, from the Q4 layout (q4_int16_chunk), the sums in the split order.
+template <int R>
+void int16_block(const PackedWeight& w, int64_t p, const int16_t* const* x, const float* const* d,
+                 const float* const* dsum, bool one_row, float (*out)[32 * kMaxPairs]) {
+  const int64_t groups = w.k_pad / 32;
+  const bool has_offset = w.has_offsets() || w.q4_signed;
+  alignas(32) __m256 Y[R][2][2];  // [row][tile][half]
+  __m256 kd[2][2] = {}, kdmin[2][2] = {};
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < 2; ++t) Y[r][t][0] = Y[r][t][1] = _mm256_setzero_ps();
+  const uint8_t* codes = static_cast<const uint8_t*>(w.data) + p * groups * 512;
+  const int64_t length = groups * 512;
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
+    const uint8_t* src = codes + g * 512;
+    if (one_row) {
+      prefetch_one_row(codes + one_row_ahead((g + kOneRowPrefetchGroups) * 512, length, 1), 512);
+    } else {
+      prefetch_q4_ahead(src);
+    }
+    split_super(w, gw, g, kd, kdmin);
     for (int t = 0; t < 2; ++t) {
-      __m256i acc[R][2];  // [row][outputs 0-3, 8-11 | 4-7, 12-15 of the tile]: int32 sums
+      __m256i acc[R][2];  // [row][half]: int32 sums
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256 * t + 32 * c));
-        // Bytes widened in their 128-bit lanes (no lane crossing): outputs 0-3, 8-11 and 4-7, 12-15, each byte
-        // whole in its int16; its low nibble is one code, its high nibble the next kpair's.
-        const __m256i u0 = _mm256_unpacklo_epi8(v, _mm256_setzero_si256());
-        const __m256i u1 = _mm256_unpackhi_epi8(v, _mm256_setzero_si256());
-        const __m256i lo0 = _mm256_and_si256(u0, low), hi0 = _mm256_srli_epi16(u0, 4);
-        const __m256i lo1 = _mm256_and_si256(u1, low), hi1 = _mm256_srli_epi16(u1, 4);
+        const uint8_t* at = src + 256 * t + 32 * c;
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const int16_t* in = x[r] + 32 * g + 4 * c;
-          const __m256i x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(in));      // inputs 4c, 4c + 1
-          const __m256i x1 = _mm256_broadcastd_epi32(_mm_loadu_si32(in + 2));  // inputs 4c + 2, 4c + 3
-          acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, x0),
-                                                                   _mm256_madd_epi16(hi0, x1)));
-          acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_add_epi32(_mm256_madd_epi16(lo1, x0),
-                                                                   _mm256_madd_epi16(hi1, x1)));
+          __m256i x0, x1;
+          input_pairs(x[r] + 32 * g + 4 * c, x0, x1);
+          q4_int16_chunk(at, x0, x1, acc[r]);
         }
       }
-      for (int r = 0; r < R; ++r) {  // -> outputs 0-7 | 8-15
-        const __m256i a = acc[r][0], b = acc[r][1];
-        acc[r][0] = _mm256_permute2x128_si256(a, b, 0x20);
-        acc[r][1] = _mm256_permute2x128_si256(a, b, 0x31);
-      }
-      for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7 of the tile
-        const int l0 = 16 * t + 8 * h;
-        const __m256 scale = scale_x8(gw, l0);
-        const __m256 offset = gw.has_offset() ? offset_x8(gw, l0) : _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f));
+      for (int h = 0; h < 2; ++h) {
+        const SplitFold f = split_fold(w, gw, kd, kdmin, t, h);
         for (int r = 0; r < R; ++r) {
-          const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(d[r][g]));
-          __m256 y = _mm256_fmadd_ps(a, scale, _mm256_load_ps(&Y[r][l0]));
-          if (has_offset) y = _mm256_fmadd_ps(_mm256_set1_ps(dsum[r][g]), offset, y);
-          _mm256_store_ps(&Y[r][l0], y);
+          Y[r][t][h] = fold_split(Y[r][t][h], acc[r][h], _mm256_set1_ps(d[r][g]), _mm256_set1_ps(dsum[r][g]), f,
+                                  has_offset);
         }
       }
     }
   }
-  for (int r = 0; r < R; ++r) std::memcpy(out[r], Y[r], sizeof(Y[r]));
+  for (int r = 0; r < R; ++r) store_split(Y[r], out[r]);
 }
 
 // R rows x one tile pair (p) of 8-bit codes (Q8, or Q6 decoded a group at a time) over every group of 16 or 32
@@ -174,7 +275,7 @@ void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& 
     }
     if (w.format == WeightFormat::Q4) {
       switch (rows) {
-        case 1: int16_block<1>(w, p, x, d, dsum, one_row, out); break;
+        case 1: int16_row_q4(w, p, x[0], d[0], dsum[0], one_row, out[0]); break;
         case 2: int16_block<2>(w, p, x, d, dsum, one_row, out); break;
         case 3: int16_block<3>(w, p, x, d, dsum, one_row, out); break;
         default: int16_block<4>(w, p, x, d, dsum, one_row, out); break;
