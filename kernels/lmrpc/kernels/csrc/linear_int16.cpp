@@ -57,7 +57,8 @@ LMRPC_INLINE SplitFold split_fold(const PackedWeight& w, const GroupWeights& gw,
   }
   const __m256 scale = split_halfx8(gw.scale + 16 * t, h);
   if (gw.offset != nullptr) return {scale, split_halfx8(gw.offset + 16 * t, h)};
-  return {scale, w.q4_signed ? _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps()};
+  const bool q4_0 = w.format == WeightFormat::Q4 && w.q4_signed;
+  return {scale, q4_0 ? _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps()};
 }
 
 // Group g's d and dmin of a K-scaled weight's super-block into kd and kdmin, when g starts one.
@@ -257,6 +258,74 @@ void int16_codes_block(const PackedWeight& w, int64_t p, const int16_t* const* x
   for (int r = 0; r < R; ++r) std::memcpy(out[r], Y[r], sizeof(Y[r]));
 }
 
+// The sum of a row's int16 codes over n = 16 or 32 inputs at `q`, in every 32-bit lane.
+LMRPC_INLINE __m256i sum_q_x8(const int16_t* q, int64_t n) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), ones);
+  if (n == 32) s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)), ones));
+  s = _mm256_add_epi32(s, _mm256_shuffle_epi32(s, 0x4E));
+  s = _mm256_add_epi32(s, _mm256_shuffle_epi32(s, 0xB1));
+  return _mm256_add_epi32(s, _mm256_permute2x128_si256(s, s, 0x01));
+}
+
+// One row x one tile pair (p) of Q6 codes over every group (of 16 or 32 inputs): int16_codes_block's operations per
+// output, the codes decoded in registers. A unit (linear.h, kQ6UnitBytes) holds kpair 2i's vectors for tiles 0 and 1
+// and kpair 2i + 1's; each code stored as q + 32 in 0..63 is widened as it is, unsigned, and the group's sums take
+// 32 * sum(inputs) off: sum((c - 32) x) = sum(c x) - 32 sum(x), the same integers, so the same bits.
+void int16_row_q6(const PackedWeight& w, int64_t p, const int16_t* x, const float* d, const float* dsum,
+                  bool one_row, float* out) {
+  const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
+  const bool has_offset = w.has_offsets();
+  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+  const uint8_t* units = q6_group(w, p * kp * 2);
+  const int64_t length = kp * 2 / 4 * kQ6UnitBytes, group_bytes = gkp / 2 * kQ6UnitBytes;
+  __m256 Y[2][2], kd[2][2] = {}, kdmin[2][2] = {};
+  for (int t = 0; t < 2; ++t) Y[t][0] = Y[t][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
+    const uint8_t* src = units + g * group_bytes;
+    if (one_row) {
+      prefetch_one_row(units + one_row_ahead((g + kOneRowPrefetchGroups) * group_bytes, length, 1), group_bytes);
+    } else {
+      prefetch_one_row(src + 2 * group_bytes, group_bytes);
+    }
+    split_super(w, gw, g, kd, kdmin);
+    const int16_t* xg = x + 2 * g * gkp;
+    __m256i acc[2][2];  // [tile][half]: int32 sums of (c + 32) x
+    for (int t = 0; t < 2; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+    for (int64_t u = 0; u < gkp / 2; ++u, src += kQ6UnitBytes) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+      // decode_q6's bytes without its - 32: vector i = kpair 2u + i / 2, tile i % 2
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
+          _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(h, top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), top)),
+      };
+      for (int j = 0; j < 2; ++j) {
+        const __m256i xj = _mm256_broadcastd_epi32(_mm_loadu_si32(xg + 2 * (2 * u + j)));  // inputs of kpair 2u + j
+        for (int t = 0; t < 2; ++t) {
+          const __m256i c = v[2 * j + t];
+          acc[t][0] = _mm256_add_epi32(acc[t][0], _mm256_madd_epi16(_mm256_unpacklo_epi8(c, _mm256_setzero_si256()), xj));
+          acc[t][1] = _mm256_add_epi32(acc[t][1], _mm256_madd_epi16(_mm256_unpackhi_epi8(c, _mm256_setzero_si256()), xj));
+          __asm__("" : "+x"(acc[t][0]), "+x"(acc[t][1]));  // running sums, as in q4_int16_chunk
+        }
+      }
+    }
+    const __m256i bias = _mm256_slli_epi32(sum_q_x8(xg, w.group), 5);  // 32 * sum(x)
+    const int64_t ag = g * w.group / 32;  // the inputs' group of 32 (its d)
+    const __m256 dg = _mm256_set1_ps(d[ag]), sg = _mm256_set1_ps(dsum[ag]);
+    for (int t = 0; t < 2; ++t)
+      for (int hf = 0; hf < 2; ++hf) {
+        const __m256i isum = _mm256_sub_epi32(acc[t][hf], bias);
+        Y[t][hf] = fold_split(Y[t][hf], isum, dg, sg, split_fold(w, gw, kd, kdmin, t, hf), has_offset);
+      }
+  }
+  store_split(Y, out);
+}
+
 }  // namespace
 
 void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr, int64_t p) {
@@ -282,7 +351,13 @@ void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& 
       }
     } else {
       switch (rows) {
-        case 1: int16_codes_block<1>(w, p, x, d, dsum, one_row, out); break;
+        case 1:
+          if (w.format == WeightFormat::Q6) {
+            int16_row_q6(w, p, x[0], d[0], dsum[0], one_row, out[0]);
+          } else {
+            int16_codes_block<1>(w, p, x, d, dsum, one_row, out);
+          }
+          break;
         case 2: int16_codes_block<2>(w, p, x, d, dsum, one_row, out); break;
         case 3: int16_codes_block<3>(w, p, x, d, dsum, one_row, out); break;
         default: int16_codes_block<4>(w, p, x, d, dsum, one_row, out); break;
