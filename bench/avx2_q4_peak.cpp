@@ -4,8 +4,9 @@
 // extend, mask / shift, convert), then per row two input broadcasts and 4 FMAs; (3) the same step without the
 // conversion (the codes' vectors held in registers); (4) vpmaddwd + vpaddd alone; (5) the one-row int16 step
 // (int16_block in linear_int16.cpp): 32 bytes of codes widened to int16, masked / shifted, 4 vpmaddwd against two
-// broadcast input pairs. Prints G multiply-adds a second. A kernel figure from bench/products.py (`OMP_NUM_THREADS=1`)
-// reads against these. Not product code.
+// broadcast input pairs; (6) the many-row int16 step for 4 or 6 rows: the codes widened once per step for every row,
+// or loaded already widened from an L1 buffer, or the inputs read already broadcast. Prints G multiply-adds a second.
+// A kernel figure from bench/products.py (`OMP_NUM_THREADS=1`) reads against these. Not product code.
 //
 //   g++ -O3 -mavx2 -mfma bench/avx2_q4_peak.cpp -o /tmp/avx2_q4_peak && /tmp/avx2_q4_peak
 #include <immintrin.h>
@@ -115,6 +116,54 @@ double int16_one_row_step() {
   return kSteps * 64.0 / s / 1e9;
 }
 
+alignas(64) int16_t int16_codes[8192];     // codes already widened to int16 (an L1 buffer), 4 vectors a step
+alignas(64) int32_t broadcast_pairs[4096];  // input pairs already broadcast: 8 copies of each (32 bytes)
+
+// The many-row int16 step for R rows (int16_block in linear_int16.cpp). kSource 0: 32 bytes of codes widened and
+// masked each step, shared by the rows; 1: the 4 widened vectors loaded from an int16 buffer in L1; 2: as 0, with
+// each row's input pairs read already broadcast (madd against memory) instead of broadcast each step.
+template <int R, int kSource>
+double int16_rows_step() {
+  const __m256i low = _mm256_set1_epi16(0x0f);
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long k = 0; k < kSteps; ++k) {
+    __m256i lo0, hi0, lo1, hi1;
+    if constexpr (kSource == 1) {
+      const __m256i* at = reinterpret_cast<const __m256i*>(int16_codes + 64 * (k & 127));
+      lo0 = _mm256_load_si256(at), hi0 = _mm256_load_si256(at + 1);
+      lo1 = _mm256_load_si256(at + 2), hi1 = _mm256_load_si256(at + 3);
+    } else {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * (k & 127)));
+      const __m256i u0 = _mm256_unpacklo_epi8(v, _mm256_setzero_si256());
+      const __m256i u1 = _mm256_unpackhi_epi8(v, _mm256_setzero_si256());
+      lo0 = _mm256_and_si256(u0, low), hi0 = _mm256_srli_epi16(u0, 4);
+      lo1 = _mm256_and_si256(u1, low), hi1 = _mm256_srli_epi16(u1, 4);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      __m256i x0, x1;
+      if constexpr (kSource == 2) {
+        const __m256i* at = reinterpret_cast<const __m256i*>(broadcast_pairs + 16 * ((k + r) & 127));
+        x0 = _mm256_load_si256(at), x1 = _mm256_load_si256(at + 1);
+      } else {
+        const int16_t* in = int16_inputs + 4 * ((k + r) & 15);
+        x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(in));
+        x1 = _mm256_broadcastd_epi32(_mm_loadu_si32(in + 2));
+      }
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, x0), _mm256_madd_epi16(hi0, x1)));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_add_epi32(_mm256_madd_epi16(lo1, x0), _mm256_madd_epi16(hi1, x1)));
+      __asm__("" : "+x"(acc[r][0]), "+x"(acc[r][1]));
+    }
+  }
+  const double s = seconds_since(t0);
+  int sink = 0;
+  for (int r = 0; r < R; ++r) sink += _mm256_extract_epi32(acc[r][0], 0) + _mm256_extract_epi32(acc[r][1], 1);
+  std::printf("  (sink %d)\n", sink);
+  return kSteps * R * 64.0 / s / 1e9;
+}
+
 }  // namespace
 
 int main() {
@@ -129,4 +178,10 @@ int main() {
   std::printf("step, 6 rows, codes converted: %.2f\n", q4_step<6, true>());
   std::printf("vpmaddwd + vpaddd alone: %.2f\n", madd_only());
   std::printf("one-row int16 step: %.2f\n", int16_one_row_step());
+  for (int i = 0; i < 8192; ++i) int16_codes[i] = static_cast<int16_t>(i % 16);
+  for (int i = 0; i < 4096; ++i) broadcast_pairs[i] = 100 * (i / 8);
+  std::printf("int16 step, 4 rows, codes widened each step: %.2f\n", int16_rows_step<4, 0>());
+  std::printf("int16 step, 4 rows, codes from an int16 buffer: %.2f\n", int16_rows_step<4, 1>());
+  std::printf("int16 step, 6 rows, codes from an int16 buffer: %.2f\n", int16_rows_step<6, 1>());
+  std::printf("int16 step, 4 rows, inputs read broadcast: %.2f\n", int16_rows_step<4, 2>());
 }

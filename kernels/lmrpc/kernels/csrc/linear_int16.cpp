@@ -86,7 +86,7 @@ LMRPC_INLINE void q4_int16_chunk(const uint8_t* at, __m256i x0, __m256i x1, __m2
   acc[0] = _mm256_add_epi32(acc[0], _mm256_add_epi32(_mm256_madd_epi16(lo0, x0), _mm256_madd_epi16(hi0, x1)));
   acc[1] = _mm256_add_epi32(acc[1], _mm256_add_epi32(_mm256_madd_epi16(lo1, x0), _mm256_madd_epi16(hi1, x1)));
   // Integer sums are associative, and gcc took that to sum an unrolled group's products as a tree after the loop,
-  // spilling them (one-row products ~2x slower on Zen 1): the sums stay running, in registers.
+  // spilling them (one-row Q4_K products 1.25x slower on Zen 1): the sums stay running, in registers.
   __asm__("" : "+x"(acc[0]), "+x"(acc[1]));
 }
 
@@ -147,10 +147,11 @@ void int16_row_q4(const PackedWeight& w, int64_t p, const int16_t* x, const floa
   store_split(Y, out);
 }
 
-// R rows x one tile pair (p) over every group, from the Q4 layout (q4_int16_chunk), the sums in the split order.
+// R >= 2 rows x one tile pair (p) over every group, from the Q4 layout (q4_int16_chunk), the sums in the split order
+// (a row alone: int16_row_q4).
 template <int R>
 void int16_block(const PackedWeight& w, int64_t p, const int16_t* const* x, const float* const* d,
-                 const float* const* dsum, bool one_row, float (*out)[32 * kMaxPairs]) {
+                 const float* const* dsum, float (*out)[32 * kMaxPairs]) {
   const int64_t groups = w.k_pad / 32;
   const bool has_offset = w.has_offsets() || w.q4_signed;
   alignas(32) __m256 Y[R][2][2];  // [row][tile][half]
@@ -158,15 +159,10 @@ void int16_block(const PackedWeight& w, int64_t p, const int16_t* const* x, cons
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < 2; ++t) Y[r][t][0] = Y[r][t][1] = _mm256_setzero_ps();
   const uint8_t* codes = static_cast<const uint8_t*>(w.data) + p * groups * 512;
-  const int64_t length = groups * 512;
   for (int64_t g = 0; g < groups; ++g) {
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
     const uint8_t* src = codes + g * 512;
-    if (one_row) {
-      prefetch_one_row(codes + one_row_ahead((g + kOneRowPrefetchGroups) * 512, length, 1), 512);
-    } else {
-      prefetch_q4_ahead(src);
-    }
+    prefetch_q4_ahead(src);
     split_super(w, gw, g, kd, kdmin);
     for (int t = 0; t < 2; ++t) {
       __m256i acc[R][2];  // [row][half]: int32 sums
@@ -345,9 +341,9 @@ void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& 
     if (w.format == WeightFormat::Q4) {
       switch (rows) {
         case 1: int16_row_q4(w, p, x[0], d[0], dsum[0], one_row, out[0]); break;
-        case 2: int16_block<2>(w, p, x, d, dsum, one_row, out); break;
-        case 3: int16_block<3>(w, p, x, d, dsum, one_row, out); break;
-        default: int16_block<4>(w, p, x, d, dsum, one_row, out); break;
+        case 2: int16_block<2>(w, p, x, d, dsum, out); break;
+        case 3: int16_block<3>(w, p, x, d, dsum, out); break;
+        default: int16_block<4>(w, p, x, d, dsum, out); break;
       }
     } else {
       switch (rows) {
