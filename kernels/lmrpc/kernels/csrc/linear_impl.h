@@ -227,21 +227,28 @@ void expand_q8(const int8_t* src, int64_t vectors, T* dst) {
   }
 }
 
+#if LMRPC_AVX512 || LMRPC_AVX2
+// One Q6 unit at `src` -> its 4 vectors of stored codes, q + 32 in 0..63 (vector i: kpair i / 2 of the unit, tile i % 2).
+LMRPC_INLINE void q6_unit_codes(const uint8_t* src, __m256i (&v)[4]) {
+  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+  // 16-bit shifts: each byte's bits are masked back to its own after the shift
+  v[0] = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
+  v[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+  v[2] = _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(h, top));
+  v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
+}
+#endif
+
 // Q6 units (linear.h: kQ6UnitBytes each) -> the Q8 vectors they hold (4 a unit, 32 int8 each).
 inline void decode_q6(const uint8_t* src, int64_t units, int8_t* dst) {
 #if LMRPC_AVX512 || LMRPC_AVX2
-  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+  const __m256i bias = _mm256_set1_epi8(32);
   for (int64_t u = 0; u < units; ++u, src += kQ6UnitBytes, dst += 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
-    // 16-bit shifts: each byte's bits are masked back to its own after the shift
-    const __m256i v[4] = {
-        _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
-        _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(h, top)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), top)),
-    };
+    __m256i v[4];
+    q6_unit_codes(src, v);
     for (int i = 0; i < 4; ++i) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * i), _mm256_sub_epi8(v[i], bias));
     }

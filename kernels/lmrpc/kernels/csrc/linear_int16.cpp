@@ -179,7 +179,6 @@ void int16_row_q6(const PackedWeight& w, int64_t p, const int16_t* x, const floa
                   bool one_row, float* out) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
   const bool has_offset = w.has_offsets();
-  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
   const uint8_t* units = q6_group(w, p * kp * 2);
   const int64_t length = kp * 2 / 4 * kQ6UnitBytes, group_bytes = gkp / 2 * kQ6UnitBytes;
   __m256 Y[2][2], kd[2][2] = {}, kdmin[2][2] = {};
@@ -197,16 +196,8 @@ void int16_row_q6(const PackedWeight& w, int64_t p, const int16_t* x, const floa
     __m256i acc[2][2];  // [tile][half]: int32 sums of (c + 32) x
     for (int t = 0; t < 2; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
     for (int64_t u = 0; u < gkp / 2; ++u, src += kQ6UnitBytes) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
-      // decode_q6's bytes without its - 32: vector i = kpair 2u + i / 2, tile i % 2
-      const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
-          _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(h, top)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), top)),
-      };
+      __m256i v[4];  // q6_unit_codes: vector i = kpair 2u + i / 2, tile i % 2, codes stored as q + 32
+      q6_unit_codes(src, v);
       for (int j = 0; j < 2; ++j) {
         const __m256i xj = _mm256_broadcastd_epi32(_mm_loadu_si32(xg + 2 * (2 * u + j)));  // inputs of kpair 2u + j
         for (int t = 0; t < 2; ++t) {
