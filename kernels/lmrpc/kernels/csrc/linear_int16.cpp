@@ -171,51 +171,62 @@ void int16_codes_block(const PackedWeight& w, int64_t p, const int16_t* const* x
   for (int r = 0; r < R; ++r) std::memcpy(out[r], Y[r], sizeof(Y[r]));
 }
 
-// One row x one tile pair (p) of Q6 codes over every group (of 16 or 32 inputs): int16_codes_block's operations per
-// output, the codes decoded in registers. A unit (linear.h, kQ6UnitBytes) holds kpair 2i's vectors for tiles 0 and 1
-// and kpair 2i + 1's; each code stored as q + 32 in 0..63 is widened as it is, unsigned, and the group's sums take
-// 32 * sum(inputs) off: sum((c - 32) x) = sum(c x) - 32 sum(x), the same integers, so the same bits.
-void int16_row_q6(const PackedWeight& w, int64_t p, const int16_t* x, const float* d, const float* dsum,
-                  bool one_row, float* out) {
+// One row x one tile pair (p) of 8-bit codes over every group (of 16 or 32 inputs): int16_codes_block's operations
+// per output, the codes kept in registers, each kpair's inputs broadcast once for both tiles, the sums in the split
+// order (linear_int16_fold.h). Q8 codes are sign-extended. Q6 units (linear.h, kQ6UnitBytes) hold kpair 2i's vectors
+// for tiles 0 and 1 and kpair 2i + 1's, decoded in registers; each code stored as q + 32 in 0..63 is widened as it
+// is, unsigned, and the group's sums take 32 * sum(inputs) off: sum((c - 32) x) = sum(c x) - 32 sum(x), the same
+// integers, so the same bits.
+template <bool Q6>
+void int16_row_codes(const PackedWeight& w, int64_t p, const int16_t* x, const float* d, const float* dsum,
+                     bool one_row, float* out) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
   const bool has_offset = w.has_offsets();
-  const uint8_t* units = q6_group(w, p * kp * 2);
-  const int64_t length = kp * 2 / 4 * kQ6UnitBytes, group_bytes = gkp / 2 * kQ6UnitBytes;
+  const uint8_t* codes = Q6 ? q6_group(w, p * kp * 2) : static_cast<const uint8_t*>(w.data) + p * kp * 64;
+  const int64_t group_bytes = Q6 ? gkp / 2 * kQ6UnitBytes : gkp * 64, length = groups * group_bytes;
   __m256 Y[2][2], kd[2][2] = {}, kdmin[2][2] = {};
   for (int t = 0; t < 2; ++t) Y[t][0] = Y[t][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
-    const uint8_t* src = units + g * group_bytes;
+    const uint8_t* src = codes + g * group_bytes;
     if (one_row) {
-      prefetch_one_row(units + one_row_ahead((g + kOneRowPrefetchGroups) * group_bytes, length, 1), group_bytes);
+      prefetch_one_row(codes + one_row_ahead((g + kOneRowPrefetchGroups) * group_bytes, length, 1), group_bytes);
     } else {
       prefetch_one_row(src + 2 * group_bytes, group_bytes);
     }
     split_super(w, gw, g, kd, kdmin);
     const int16_t* xg = x + 2 * g * gkp;
-    __m256i acc[2][2];  // [tile][half]: int32 sums of (c + 32) x
+    __m256i acc[2][2];  // [tile][half]: int32 sums (Q6: of (c + 32) x)
     for (int t = 0; t < 2; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
-    for (int64_t u = 0; u < gkp / 2; ++u, src += kQ6UnitBytes) {
-      __m256i v[4];  // q6_unit_codes: vector i = kpair 2u + i / 2, tile i % 2, codes stored as q + 32
-      q6_unit_codes(src, v);
+    for (int64_t u = 0; u < gkp / 2; ++u) {
+      __m256i v[4];  // vector i = kpair 2u + i / 2, tile i % 2
+      if constexpr (Q6) {
+        q6_unit_codes(src + u * kQ6UnitBytes, v);
+      } else {
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 128 * u + 32 * i));
+      }
       for (int j = 0; j < 2; ++j) {
         const __m256i xj = _mm256_broadcastd_epi32(_mm_loadu_si32(xg + 2 * (2 * u + j)));  // inputs of kpair 2u + j
         for (int t = 0; t < 2; ++t) {
           const __m256i c = v[2 * j + t];
-          acc[t][0] = _mm256_add_epi32(acc[t][0], _mm256_madd_epi16(_mm256_unpacklo_epi8(c, _mm256_setzero_si256()), xj));
-          acc[t][1] = _mm256_add_epi32(acc[t][1], _mm256_madd_epi16(_mm256_unpackhi_epi8(c, _mm256_setzero_si256()), xj));
+          // high bytes: zero for Q6's unsigned codes, the sign for Q8's
+          const __m256i high = Q6 ? _mm256_setzero_si256() : _mm256_cmpgt_epi8(_mm256_setzero_si256(), c);
+          acc[t][0] = _mm256_add_epi32(acc[t][0], _mm256_madd_epi16(_mm256_unpacklo_epi8(c, high), xj));
+          acc[t][1] = _mm256_add_epi32(acc[t][1], _mm256_madd_epi16(_mm256_unpackhi_epi8(c, high), xj));
           __asm__("" : "+x"(acc[t][0]), "+x"(acc[t][1]));  // running sums, as in q4_int16_chunk
         }
       }
     }
-    const __m256i bias = _mm256_slli_epi32(sum_q_x8(xg, w.group), 5);  // 32 * sum(x)
+    if constexpr (Q6) {
+      const __m256i bias = _mm256_slli_epi32(sum_q_x8(xg, w.group), 5);  // 32 * sum(x)
+      for (int t = 0; t < 2; ++t)
+        for (int hf = 0; hf < 2; ++hf) acc[t][hf] = _mm256_sub_epi32(acc[t][hf], bias);
+    }
     const int64_t ag = g * w.group / 32;  // the inputs' group of 32 (its d)
     const __m256 dg = _mm256_set1_ps(d[ag]), sg = _mm256_set1_ps(dsum[ag]);
     for (int t = 0; t < 2; ++t)
-      for (int hf = 0; hf < 2; ++hf) {
-        const __m256i isum = _mm256_sub_epi32(acc[t][hf], bias);
-        Y[t][hf] = fold_split(Y[t][hf], isum, dg, sg, split_fold(w, gw, kd, kdmin, t, hf), has_offset);
-      }
+      for (int hf = 0; hf < 2; ++hf)
+        Y[t][hf] = fold_split(Y[t][hf], acc[t][hf], dg, sg, split_fold(w, gw, kd, kdmin, t, hf), has_offset);
   }
   store_split(Y, out);
 }
@@ -247,9 +258,9 @@ void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& 
       switch (rows) {
         case 1:
           if (w.format == WeightFormat::Q6) {
-            int16_row_q6(w, p, x[0], d[0], dsum[0], one_row, out[0]);
+            int16_row_codes<true>(w, p, x[0], d[0], dsum[0], one_row, out[0]);
           } else {
-            int16_codes_block<1>(w, p, x, d, dsum, one_row, out);
+            int16_row_codes<false>(w, p, x[0], d[0], dsum[0], one_row, out[0]);
           }
           break;
         case 2: int16_codes_block<2>(w, p, x, d, dsum, one_row, out); break;
