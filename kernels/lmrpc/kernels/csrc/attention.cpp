@@ -99,25 +99,6 @@ template <typename S>
 void scores_generic(const float* const* q, int groups, const CacheView& c, const int32_t* pages, int64_t kvh,
                     int64_t ctx, float scale, float* scores, int64_t stride) {
   const int64_t hd = c.head_dim, P = c.page_size;
-#if LMRPC_AVX2
-  if (attention_avx2::takes(hd)) {
-    for (int64_t base = 0; base < ctx; base += 16) {
-      const S* kb = key_block<S>(c, pages[base / P], kvh) + base % P;
-      const int n = static_cast<int>(std::min<int64_t>(16, ctx - base));
-      for (int g0 = 0; g0 < groups; g0 += 4) {  // four heads' sums side by side
-        float* out[4];
-        for (int g = g0; g < std::min(groups, g0 + 4); ++g) out[g - g0] = scores + g * stride + base;
-        switch (std::min(groups - g0, 4)) {
-          case 1: attention_avx2::scores16<S, 1>(q + g0, kb, hd, P, scale, out, n); break;
-          case 2: attention_avx2::scores16<S, 2>(q + g0, kb, hd, P, scale, out, n); break;
-          case 3: attention_avx2::scores16<S, 3>(q + g0, kb, hd, P, scale, out, n); break;
-          default: attention_avx2::scores16<S, 4>(q + g0, kb, hd, P, scale, out, n); break;
-        }
-      }
-    }
-    return;
-  }
-#endif
   for (int64_t base = 0; base < ctx; base += 16) {
     const S* kb = key_block<S>(c, pages[base / P], kvh) + base % P;
     for (int g = 0; g < groups; ++g) {
@@ -200,44 +181,76 @@ void values_avx512(const float* w, int64_t stride, const CacheView& c, const int
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(sums + g * hd + 16 * i, acc[g][i]);
 }
 
+#endif
+
+#if LMRPC_AVX512 || LMRPC_AVX2
 // One query over kv heads [h0, h1), G query heads each (q[(h - h0) * kMaxGroup + g], out likewise), with the group
-// size and head width fixed at compile time so accumulators stay in registers. Pages are the outer loop: a page holds all kv
+// size fixed at compile time so accumulators stay in registers. Pages are the outer loop: a page holds all kv
 // heads' keys (and values) next to each other, so several heads read one contiguous run per page, which the
-// hardware prefetcher follows, where one head reads a 2 KiB block and jumps. Each head's sums still take its keys
-// in order. `work` holds (h1 - h0) * G * (stride + head_dim + 1) floats. False when there is no specialization.
+// hardware prefetcher follows, where one head reads a 2 KiB block and jumps. A sequence's pages lie anywhere in the
+// pool, so each head's next block (its keys', then its values') is asked into L2 while the current one is read. Each head's sums still take its keys in order. `work` holds (h1 - h0) * G * (stride + head_dim + 1)
+// floats. False when there is no specialization for the head width.
 template <typename S, int G>
-bool query_avx512(const float* const* q, int64_t h0, int64_t h1, const CacheView& c, const int32_t* pages,
-                  int64_t ctx, float scale, float* work, int64_t stride, float* const* out) {
-  const int64_t hd = c.head_dim, P = c.page_size, nh = h1 - h0;
+bool query_paged(const float* const* q, int64_t h0, int64_t h1, const CacheView& c, const int32_t* pages,
+                 int64_t ctx, float scale, float* work, int64_t stride, float* const* out) {
+  const int64_t hd = c.head_dim, P = c.page_size, nh = h1 - h0, n = (ctx + P - 1) / P;
+#if LMRPC_AVX512
   if (hd != 64 && hd != 128) return false;
+#else
+  if (!attention_avx2::takes(hd)) return false;
+#endif
   float* scores = work;                   // [nh][G][stride]
   float* sums = work + nh * G * stride;   // [nh][G][head_dim]
   float* totals = sums + nh * G * hd;     // [nh][G]
-  for (int64_t k0 = 0; k0 < ctx; k0 += P) {
-    const int64_t k1 = std::min(ctx, k0 + P);
-    for (int64_t h = 0; h < nh; ++h)
+  // Block i of the read order (n key blocks, then n value blocks) of head h, or null past the end.
+  auto block = [&](int64_t i, int64_t h) -> const char* {
+    if (i < n) return block_bytes(key_block<S>(c, pages[i], h0 + h));
+    return i < 2 * n ? block_bytes(value_block<S>(c, pages[i - n], h0 + h)) : nullptr;
+  };
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t k0 = p * P, k1 = std::min(ctx, k0 + P);
+    for (int64_t h = 0; h < nh; ++h) {
+#if LMRPC_AVX512
       scores_avx512<S, G>(q + h * kMaxGroup, c, pages, h0 + h, k0, k1, scale, scores + h * G * stride, stride,
-                          k1 < ctx ? block_bytes(key_block<S>(c, pages[k1 / P], h0 + h))
-                                   : block_bytes(value_block<S>(c, pages[0], h0 + h)));  // then the values
+                          block(p + 1, h));
+#else
+      float* rows[G];
+      for (int g = 0; g < G; ++g) rows[g] = scores + (h * G + g) * stride + k0;
+      attention_avx2::page_scores<S, G>(q + h * kMaxGroup, key_block<S>(c, pages[p], h0 + h), k1 - k0, hd, P, scale,
+                                        rows, block(p + 1, h));
+#endif
+    }
   }
   for (int64_t r = 0; r < nh * G; ++r) totals[r] = softmax_weights(scores + r * stride, ctx);
   std::fill(sums, sums + nh * G * hd, 0.0f);
-  for (int64_t k0 = 0; k0 < ctx; k0 += P) {
-    const int64_t k1 = std::min(ctx, k0 + P);
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t k0 = p * P, k1 = std::min(ctx, k0 + P);
     for (int64_t h = 0; h < nh; ++h) {
       float* w = scores + h * G * stride;
-      const char* next = k1 < ctx ? block_bytes(value_block<S>(c, pages[k1 / P], h0 + h)) : nullptr;
+      const char* next = block(n + p + 1, h);
+#if LMRPC_AVX512
       if (hd == 64) values_avx512<S, G, 4>(w, stride, c, pages, h0 + h, k0, k1, sums + h * G * hd, next);
       else values_avx512<S, G, 8>(w, stride, c, pages, h0 + h, k0, k1, sums + h * G * hd, next);
+#else
+      const float* weights[G];
+      float* running[G];
+      for (int g = 0; g < G; ++g) {
+        weights[g] = w + g * stride + k0;
+        running[g] = sums + (h * G + g) * hd;
+      }
+      attention_avx2::page_values<S, G>(weights, value_block<S>(c, pages[p], h0 + h), k1 - k0, hd, running, next);
+#endif
     }
   }
-  for (int64_t h = 0; h < nh; ++h) {
-    for (int g = 0; g < G; ++g) {
-      const __m512 inv = _mm512_set1_ps(1.0f / totals[h * G + g]);
-      const float* s = sums + (h * G + g) * hd;
-      float* o = out[h * kMaxGroup + g];
-      for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
-    }
+  for (int64_t r = 0; r < nh * G; ++r) {
+    const float inv = 1.0f / totals[r];
+    const float* s = sums + r * hd;
+    float* o = out[r / G * kMaxGroup + r % G];
+#if LMRPC_AVX512
+    for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(inv)));
+#else
+    attention_avx2::scaled_row(s, hd, inv, o);
+#endif
   }
   return true;
 }
@@ -246,14 +259,14 @@ template <typename S>
 bool dispatch_query(int groups, const float* const* q, int64_t h0, int64_t h1, const CacheView& c,
                     const int32_t* pages, int64_t ctx, float scale, float* work, int64_t stride, float* const* out) {
   switch (groups) {
-    case 1: return query_avx512<S, 1>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
-    case 2: return query_avx512<S, 2>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
-    case 3: return query_avx512<S, 3>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
-    case 4: return query_avx512<S, 4>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
-    case 5: return query_avx512<S, 5>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
-    case 6: return query_avx512<S, 6>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
-    case 7: return query_avx512<S, 7>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
-    case 8: return query_avx512<S, 8>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 1: return query_paged<S, 1>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 2: return query_paged<S, 2>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 3: return query_paged<S, 3>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 4: return query_paged<S, 4>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 5: return query_paged<S, 5>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 6: return query_paged<S, 6>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 7: return query_paged<S, 7>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
+    case 8: return query_paged<S, 8>(q, h0, h1, c, pages, ctx, scale, work, stride, out);
     default: return false;
   }
 }
@@ -298,15 +311,6 @@ template <typename S>
 void weighted_values(const float* w, int groups, int64_t stride, const float* totals, const CacheView& c,
                      const int32_t* pages, int64_t kvh, int64_t ctx, float* const* out) {
   const int64_t hd = c.head_dim, P = c.page_size;
-#if LMRPC_AVX2
-  if (attention_avx2::takes(hd)) {
-    auto value = [&](int64_t j) { return value_block<S>(c, pages[j / P], kvh) + (j % P) * hd; };
-    for (int g = 0; g < groups; ++g) {
-      attention_avx2::weighted_row<S>(w + g * stride, ctx, hd, 1.0f / totals[g], value, out[g]);
-    }
-    return;
-  }
-#endif
   for (int g = 0; g < groups; ++g) {
     std::vector<float> acc(hd, 0.0f);
     for (int64_t j = 0; j < ctx; ++j) {
@@ -358,7 +362,7 @@ void attention_impl(const AttentionArgs& a, const CacheView& c) {
             out[h * kMaxGroup + g] = a.out + t * a.heads * hd + head * hd;
           }
         }
-#if LMRPC_AVX512
+#if LMRPC_AVX512 || LMRPC_AVX2
         if (dispatch_query<S>(gn, q.data(), h0, h0 + span, c, pages, ctx, a.scale, work.data(), stride, out.data()))
           continue;
 #endif
