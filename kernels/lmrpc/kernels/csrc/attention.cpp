@@ -188,8 +188,9 @@ void values_avx512(const float* w, int64_t stride, const CacheView& c, const int
 // size fixed at compile time so accumulators stay in registers. Pages are the outer loop: a page holds all kv
 // heads' keys (and values) next to each other, so several heads read one contiguous run per page, which the
 // hardware prefetcher follows, where one head reads a 2 KiB block and jumps. A sequence's pages lie anywhere in the
-// pool, so each head's next block (its keys', then its values') is asked into L2 while the current one is read. Each head's sums still take its keys in order. `work` holds (h1 - h0) * G * (stride + head_dim + 1)
-// floats. False when there is no specialization for the head width.
+// pool, so each head's next block (its keys', then its values') is asked into L2 while the current one is read.
+// Each head's sums still take its keys in order. `work` holds (h1 - h0) * G * (stride + head_dim + 1) floats. False
+// when there is no specialization for the head width.
 template <typename S, int G>
 bool query_paged(const float* const* q, int64_t h0, int64_t h1, const CacheView& c, const int32_t* pages,
                  int64_t ctx, float scale, float* work, int64_t stride, float* const* out) {
@@ -247,7 +248,8 @@ bool query_paged(const float* const* q, int64_t h0, int64_t h1, const CacheView&
     const float* s = sums + r * hd;
     float* o = out[r / G * kMaxGroup + r % G];
 #if LMRPC_AVX512
-    for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(inv)));
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), vinv));
 #else
     attention_avx2::scaled_row(s, hd, inv, o);
 #endif

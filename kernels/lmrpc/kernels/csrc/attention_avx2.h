@@ -105,15 +105,23 @@ inline void page_values(const float* const* w, const S* vb, int64_t n, int64_t h
                         const char* next) {
   const int64_t row = hd * static_cast<int64_t>(sizeof(S));
   for (int g = 0; g < G; ++g) {
-    int64_t i0 = 0;
-    for (; i0 + 64 <= hd; i0 += 64) value_sums<S, 8>(w[g], vb, n, hd, i0, sums[g], g == 0 && i0 == 0 ? next : nullptr, row);
-    for (; i0 < hd; i0 += 8) value_sums<S, 1>(w[g], vb, n, hd, i0, sums[g], g == 0 && i0 == 0 ? next : nullptr, row);
+    for (int64_t i0 = 0; i0 < hd;) {
+      const char* ahead = g == 0 && i0 == 0 ? next : nullptr;  // once per page
+      if (i0 + 64 <= hd) {
+        value_sums<S, 8>(w[g], vb, n, hd, i0, sums[g], ahead, row);
+        i0 += 64;
+      } else {
+        value_sums<S, 1>(w[g], vb, n, hd, i0, sums[g], ahead, row);
+        i0 += 8;
+      }
+    }
   }
 }
 
 // out[i] = sums[i] * inv over a head.
 inline void scaled_row(const float* sums, int64_t hd, float inv, float* out) {
-  for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(sums + i), _mm256_set1_ps(inv)));
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(sums + i), vinv));
 }
 
 // softmax_weights' exp and its 16 lanes of sums (lane j % 16 takes key j, in order) over s[0 .. ctx): the weights

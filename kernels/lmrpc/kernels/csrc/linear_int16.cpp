@@ -106,13 +106,13 @@ void int16_block(const PackedWeight& w, int64_t p, const int16_t* const* x, cons
   for (int r = 0; r < R; ++r) store_split(Y[r], out[r]);
 }
 
-// R rows x one tile pair (p) of 8-bit codes (Q8, or Q6 decoded a group at a time) over every group of 16 or 32
-// inputs: per kpair and tile 32 int8 = 16 outputs x 2 inputs; sign-extended to int16 in their 128-bit lanes, each
-// output's two codes are one 32-bit lane, and vpmaddwd against the kpair's inputs broadcast gives its two products.
-// |code| <= 128: a group's isum stays below 32 * 128 * 32767 < 2^31.
+// R >= 2 rows x one tile pair (p) of 8-bit codes (Q8, or Q6 decoded a group at a time) over every group of 16 or
+// 32 inputs (a row alone: int16_row_codes): per kpair and tile 32 int8 = 16 outputs x 2 inputs; sign-extended to
+// int16 in their 128-bit lanes, each output's two codes are one 32-bit lane, and vpmaddwd against the kpair's inputs
+// broadcast gives its two products. |code| <= 128: a group's isum stays below 32 * 128 * 32767 < 2^31.
 template <int R>
 void int16_codes_block(const PackedWeight& w, int64_t p, const int16_t* const* x, const float* const* d,
-                       const float* const* dsum, bool one_row, float (*out)[32 * kMaxPairs]) {
+                       const float* const* dsum, float (*out)[32 * kMaxPairs]) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
   const bool q6 = w.format == WeightFormat::Q6;
   const bool has_offset = w.has_offsets();
@@ -127,8 +127,6 @@ void int16_codes_block(const PackedWeight& w, int64_t p, const int16_t* const* x
       if (g == 0) decode_q6(q6_group(w, p * kp * 2), gkp / 2, q6_codes[0]);
       if (g + 1 < groups) decode_q6(q6_group(w, (p * kp + (g + 1) * gkp) * 2), gkp / 2, q6_codes[(g + 1) % 2]);
       src = q6_codes[g % 2];
-    } else if (one_row) {  // the codes a few groups ahead, into L2 (64 bytes a kpair)
-      prefetch_one_row(src + kOneRowPrefetchGroups * gkp * 64, gkp * 64);
     } else {
       for (int64_t line = 0; line < gkp; ++line) {  // the group two ahead, into L1
         _mm_prefetch(reinterpret_cast<const char*>(src + 2 * gkp * 64 + 64 * line), _MM_HINT_T0);
@@ -263,9 +261,9 @@ void int16_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& 
             int16_row_codes<false>(w, p, x[0], d[0], dsum[0], one_row, out[0]);
           }
           break;
-        case 2: int16_codes_block<2>(w, p, x, d, dsum, one_row, out); break;
-        case 3: int16_codes_block<3>(w, p, x, d, dsum, one_row, out); break;
-        default: int16_codes_block<4>(w, p, x, d, dsum, one_row, out); break;
+        case 2: int16_codes_block<2>(w, p, x, d, dsum, out); break;
+        case 3: int16_codes_block<3>(w, p, x, d, dsum, out); break;
+        default: int16_codes_block<4>(w, p, x, d, dsum, out); break;
       }
     }
     epilogue(w, a, r0, rows, p, 1, out);
