@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, Qwen3MoeConfig
 
 from lmrpc.server.config import ModelConfig
@@ -19,14 +20,23 @@ TEXTS = ("Hello, world!", "  leading spaces and\ttabs\n", "naïve café — 東�
 HEAVY = ("transformers.models.llama.configuration_llama", "torch.distributed.tensor", "accelerate", "sympy")
 
 
+@pytest.fixture(scope="module")
+def cache(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache directory holding the bundled GGUF's one-time conversion, made once for this module (it reads the
+    file through transformers' Auto classes: ~18 s on a 2-core host)."""
+    root = tmp_path_factory.mktemp("gguf-cache")
+    converted(smollm2_gguf, root)
+    return root
+
+
 def converted(gguf: Path, cache: Path) -> Path:
     path, found = loader.resolve_model_path(ModelConfig(path=str(gguf), cache_dir=str(cache)))
     assert found == gguf
     return path
 
 
-def test_the_plain_config_holds_what_the_auto_class_reads(smollm2_gguf: Path, tmp_path: Path) -> None:
-    path = converted(smollm2_gguf, tmp_path)
+def test_the_plain_config_holds_what_the_auto_class_reads(smollm2_gguf: Path, cache: Path) -> None:
+    path = converted(smollm2_gguf, cache)
     plain, auto = loader._read_config(path, smollm2_gguf), AutoConfig.from_pretrained(path)
     assert type(plain) is PretrainedConfig and type(auto) is not PretrainedConfig
     expected = auto.to_dict()
@@ -39,8 +49,8 @@ def test_the_plain_config_holds_what_the_auto_class_reads(smollm2_gguf: Path, tm
     assert plain.get_text_config() is plain
 
 
-def test_the_plain_tokenizer_encodes_and_decodes_as_the_auto_class(smollm2_gguf: Path, tmp_path: Path) -> None:
-    path = converted(smollm2_gguf, tmp_path)
+def test_the_plain_tokenizer_encodes_and_decodes_as_the_auto_class(smollm2_gguf: Path, cache: Path) -> None:
+    path = converted(smollm2_gguf, cache)
     plain, auto = loader._read_tokenizer(path, smollm2_gguf), AutoTokenizer.from_pretrained(path)
     assert len(plain) == len(auto)
     assert (plain.eos_token_id, plain.bos_token_id, plain.pad_token_id) == (
@@ -66,13 +76,13 @@ def test_a_config_alias_is_written_under_both_names(tmp_path: Path) -> None:
     assert AutoConfig.from_pretrained(tmp_path).num_local_experts == 6  # the extra name changes nothing for it
 
 
-def test_serving_a_gguf_imports_no_model_type_module(smollm2_gguf: Path, tmp_path: Path) -> None:
-    converted(smollm2_gguf, tmp_path)  # the one-time conversion reads the file through the Auto classes
+def test_serving_a_gguf_imports_no_model_type_module(smollm2_gguf: Path, cache: Path) -> None:
+    # The cache holds the conversion already: the one-time conversion reads the file through the Auto classes.
     code = f"""
 import json, sys
 from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
-engine = AsyncEngine.start(EngineConfig(model=ModelConfig(path={str(smollm2_gguf)!r}, cache_dir={str(tmp_path)!r}),
+engine = AsyncEngine.start(EngineConfig(model=ModelConfig(path={str(smollm2_gguf)!r}, cache_dir={str(cache)!r}),
                                         cache=CacheConfig(num_tokens=256)))
 print(json.dumps([name for name in {HEAVY!r} if name in sys.modules]))
 engine.shutdown()
