@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, Qwen3MoeConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, Qwen3MoeConfig
 
 from lmrpc.server.config import ModelConfig
 from lmrpc.server.models import loader
@@ -62,6 +62,18 @@ def test_the_plain_tokenizer_encodes_and_decodes_as_the_auto_class(smollm2_gguf:
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[2]}]
     assert (plain.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def test_the_converted_tokenizer_is_the_one_transformers_reads_from_the_file(
+        smollm2_gguf: Path, cache: Path, smollm2_tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:
+    # The conversion asks the generic class directly where AutoTokenizer would pick it (loader._gguf_tokenizer):
+    # the files it wrote are the ones AutoTokenizer's reading of the GGUF saves, byte for byte.
+    path = converted(smollm2_gguf, cache)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    saved = sorted(f.name for f in tmp_path.iterdir())
+    assert "tokenizer.json" in saved
+    for name in saved:
+        assert (path / name).read_bytes() == (tmp_path / name).read_bytes(), name
 
 
 def test_a_config_alias_is_written_under_both_names(tmp_path: Path) -> None:
