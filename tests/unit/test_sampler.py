@@ -180,3 +180,42 @@ def test_padded_vocabulary_columns_are_never_sampled() -> None:
     logits[:, V + 3] = 100.0  # a padding column of the embedding
     rows = [SamplingRow(_state(temperature=0.0), 0, None, None), SamplingRow(_state(), 0, None, None)]
     assert all(r.token_id < V for r in _sampler().sample(logits, rows))
+
+
+@pytest.mark.parametrize("feature", ["none", "logit_bias", "grammar", "min_new_tokens", "penalty", "processor",
+                                     "logprobs"])
+def test_a_greedy_batch_still_applies_each_rows_feature(feature: str) -> None:
+    # A batch of greedy rows with nothing to apply takes each row's argmax as it is (Sampler.sample's shortcut);
+    # one row with a feature among plain greedy rows must still get it.
+    logits = torch.full((3, V), -1.0)
+    logits[:, EOS] = 10.0  # every row's maximum...
+    logits[:, 7] = 9.0  # ...and the runner-up
+    mask = torch.zeros((V + 31) // 32, dtype=torch.int32)
+    mask[0] = 1 << 3
+    kw: dict[str, object] = {"temperature": 0.0}
+    bitmask, processor, logprobs = None, None, None
+    if feature == "logit_bias":
+        kw["logit_bias"] = {4: 100.0}
+    elif feature == "grammar":
+        bitmask = mask
+    elif feature == "min_new_tokens":
+        kw["min_new_tokens"] = 1
+    elif feature == "penalty":
+        kw["repetition_penalty"] = 3.0
+    elif feature == "processor":
+        processor = ProcessorRegistry.load().create("disallowed_tokens", {"token_ids": [EOS]})
+    elif feature == "logprobs":
+        logprobs = LogprobOptions(top_k=2)
+    state = _state(logprobs, **kw)
+    state.observe(EOS)  # penalized from now on
+    featured = SamplingRow(state, 0, bitmask, processor)
+    plain = [SamplingRow(_state(temperature=0.0), 0, None, None) for _ in range(2)]
+    assert featured.plain_greedy == (feature == "none") and all(r.plain_greedy for r in plain)
+    results = _sampler().sample(logits, [plain[0], featured, plain[1]])
+    expected = {"none": EOS, "logit_bias": 4, "grammar": 3, "min_new_tokens": 7, "penalty": 7, "processor": 7,
+                "logprobs": EOS}[feature]
+    assert [r.token_id for r in results] == [EOS, expected, EOS]
+    assert [r.logprobs is not None for r in results] == [False, feature == "logprobs", False]
+    if feature == "logprobs":
+        lp = results[1].logprobs
+        assert lp is not None and [t.token_id for t in lp.top] == [EOS, 7]
