@@ -139,12 +139,13 @@ def _gguf_tokenizer(gguf: Path, model_type: str) -> PreTrainedTokenizerBase:
     the file through transformers' older GGUF reader (~8 s for a 49k-token vocabulary on a 2-core host) only to pick
     the tokenizer class; a model type with no class of its own (Llama, Mistral, Mixtral) gets the generic one, so that
     class is asked directly, and reads the file once with transformers' newer reader (<1 s). Same files saved
-    (tests/unit/test_gguf_metadata.py). Other model types, and transformers 4 (no generic class), go through
-    AutoTokenizer."""
+    (tests/unit/test_gguf_metadata.py). Other model types, a directory whose tokenizer_config.json may name another
+    class, and transformers 4 (no generic class) go through AutoTokenizer."""
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     generic = getattr(transformers, "TokenizersBackend", None)
-    if generic is not None and TOKENIZER_MAPPING_NAMES.get(model_type) in (None, "TokenizersBackend"):
+    if (generic is not None and TOKENIZER_MAPPING_NAMES.get(model_type) in (None, "TokenizersBackend")
+            and not (gguf.parent / "tokenizer_config.json").exists()):
         return cast(PreTrainedTokenizerBase, generic.from_pretrained(gguf.parent, gguf_file=gguf.name))
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
