@@ -28,6 +28,7 @@ from lmrpc.server.config import ModelConfig
 from lmrpc.server.heap import trim_heap
 from lmrpc.server.media.types import MultimodalProcessor
 from lmrpc.server.models import CausalLM, load_registry
+from lmrpc.server.models.gguf_config import fast_config_dict
 from lmrpc.server.models.gguf_file import GGUFFile
 from lmrpc.server.models.hf_fallback import HFCausalLM
 from lmrpc.server.models.linear import resolve_dtype
@@ -87,7 +88,7 @@ _METADATA_VERSION = 2  # of what _gguf_metadata writes (2: config aliases under 
 def _metadata_target(config: ModelConfig, gguf: Path) -> Path:
     """Where a GGUF file's config and tokenizer are converted to: keyed by what they are converted from (the
     header's fields and tensor names and shapes: GGUFFile.header_digest), so the quantizations of one model share
-    one conversion (transformers takes about 10 s per file), and a file replaced by another of the same name and
+    one conversion (a few seconds per file), and a file replaced by another of the same name and
     size is converted anew."""
     return cache_root(config) / f"gguf-meta{_METADATA_VERSION}-{GGUFFile(gguf).header_digest[:16]}"
 
@@ -123,10 +124,13 @@ def _convert_atomically(target: Path, write: Callable[[Path], None]) -> None:
 def _gguf_metadata(gguf: Path, out: Path) -> None:
     """A GGUF file's config, generation config and tokenizer as HF files (no weights)."""
     from transformers import GenerationConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     logger.info("reading the config and tokenizer of %s (once)", gguf)
-    hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    fast = fast_config_dict(gguf)  # the dict AutoConfig would read, without its slow reader (models/gguf_config.py)
+    hf_config = (CONFIG_MAPPING[str(fast["model_type"])].from_dict(fast) if fast is not None
+                 else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
     # A config read from GGUF names no architecture; the causal-LM class of its model type is what it holds.
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
     _save_config(hf_config, out)
