@@ -27,8 +27,11 @@ def fast_config_dict(gguf: Path) -> dict[str, object] | None:
         from transformers.integrations.gguf import read_gguf_metadata
     except ImportError:  # transformers 4 has no newer reader
         return None
-    # [key] = a scalar, a string, a list of numbers, or a string array's length (the reader skips its strings)
-    metadata, tensor_names = read_gguf_metadata(str(gguf))
+    try:
+        # [key] = a scalar, a string, a list of numbers, or a string array's length (the reader skips its strings)
+        metadata, tensor_names = read_gguf_metadata(str(gguf))
+    except ValueError:  # a field this reader refuses (arrays of arrays): AutoConfig answers, as it always did
+        return None
     architecture = metadata["general.architecture"]
     # transformers reads a llama file named exactly "mistral" as a Mistral model
     if architecture not in RENAMED_ONLY or metadata.get("general.name") == "mistral":
