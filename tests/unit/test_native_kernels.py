@@ -319,25 +319,31 @@ HAS_AVX2 = all(f in native._cpu_flags().split() for f in ("avx2", "fma", "f16c")
 def test_other_builds_give_the_same_guarantees(arch: str, tmp_path: os.PathLike[str]) -> None:
     """The kernels built without -march=native, as the portable loops (what a CPU without AVX2 runs) or the AVX2 + FMA
     paths (what a CPU without AVX512-BF16 runs), pass the same reference and invariance checks, GGUF's block
-    formats' bitwise references among them."""
+    formats' bitwise references among them; the AVX2 build also its int16 activations' (on by default on such CPUs,
+    test_int16_activations.py, which skips itself under an AVX512 build)."""
     if arch == "avx2" and native.load().native_avx2():
         # The paths a build takes are chosen by common.h's LMRPC_AVX512 / LMRPC_AVX2 alone: here the native build
         # takes the AVX2 ones already, and this file's own tests check them (a minute of compiling saved).
         pytest.skip("the native build is the AVX2 + FMA one on this CPU: the tests in this file check its paths")
     env = {**os.environ, "LMRPC_KERNEL_ARCH": arch}
     here = os.path.abspath(__file__)
-    formats = os.path.join(os.path.dirname(here), "test_gguf_formats.py")
+    files = [here, os.path.join(os.path.dirname(here), "test_gguf_formats.py")]
+    if arch == "avx2":
+        files.append(os.path.join(os.path.dirname(here), "test_int16_activations.py"))
     expect = {"generic": "not k.native_bf16() and not k.native_avx2()", "avx2": "k.native_avx2()"}[arch]
     script = (
         "import sys, pytest\n"
         "from lmrpc.kernels import native\n"
         f"k = native.load(); assert {expect}, 'expected the {arch} build'\n"
-        f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', {here!r}, {formats!r}, '-k', "
-        "'not portable and not builds and (f32 or int4-bf16 or int8-bf16 or fused or attention or reference)']))\n"
+        f"sys.exit(pytest.main(['-q', '-x', '-rs', '-p', 'no:cacheprovider', *{files!r}, '-k', "
+        "'not portable and not builds and (f32 or int4-bf16 or int8-bf16 or fused or attention or reference "
+        "or int16_activations)']))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " error" not in result.stdout, result.stdout[-3000:]
+    if arch == "avx2":  # the int16 module ran here, not skipped as it is under an AVX512 build (-rs lists skips)
+        assert "int16 activations are the AVX2 build's" not in result.stdout, result.stdout[-3000:]
 
 
 def products_of_every_format(bf16: bool) -> dict[str, torch.Tensor]:
