@@ -26,7 +26,8 @@ from lmrpc.server.models.loader import load_model
 from lmrpc.server.models.quantized import NativeLinear
 
 AVX2 = native.available() and bool(native.load().native_avx2())
-pytestmark = pytest.mark.skipif(not AVX2, reason="int16 activations are the AVX2 build's (float32 compute)")
+NOT_AVX2 = "int16 activations are the AVX2 build's (float32 compute)"  # (test_native_kernels looks for it)
+pytestmark = pytest.mark.skipif(not AVX2, reason=NOT_AVX2)
 
 ROWS = [*range(1, 14), 16, 17, 31, 40]
 
