@@ -1,9 +1,9 @@
 """Products alone: a packed 4-bit weight times rows, with and without int8 activations (`--int8-activations`).
 
-    nice -n 19 .venv/bin/python bench/products.py [--rounds 5] [--rows 1 8 64 256] [--format int4|q4_k]
+    nice -n 19 .venv/bin/python bench/products.py [--rounds 5] [--rows 1 8 64 256] [--format int4|q4_0|q4_k|q6_k]
 
 The weights have SmolLM2-1.7B's product shapes (qkv 6144x2048, gate_up 16384x2048, down 2048x8192; random values,
-which speed does not depend on), quantized as --quantization int4 does (or Q4_K blocks of random bytes). The down
+which speed does not depend on), quantized as --quantization int4 does (or GGUF blocks of random bytes). The down
 projection's shape runs as a plain product here; served, its inputs (after SiLU-gating) stay float. Per round,
 each shape and row count runs both ways in turn (which goes first alternates), each timed as the best of 3 batches
 of calls; the report gives per way the median multiply-adds per second and the median over rounds of the per-round
@@ -25,16 +25,21 @@ import torch
 from lmrpc.kernels import gguf_blocks, native, quantize
 from lmrpc.kernels.packing import Compute, PackedWeight
 
+# GGUF formats: their type and the byte offsets of their fp16 scales within a block
+GGUF = {"q4_0": (gguf_blocks.Q4_0, (0,)), "q4_k": (gguf_blocks.Q4_K, (0, 2)), "q6_k": (gguf_blocks.Q6_K, (208,))}
 SHAPES = {"qkv": (6144, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 
 
 def packed(fmt: str, n: int, k: int) -> PackedWeight:
     if fmt == "int4":
         return quantize.quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.02)
-    rng = np.random.default_rng(n + k)  # Q4_K: random bytes, small positive fp16 d and dmin
-    b = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
-    b[..., 0:4] = np.full((n, k // 256, 2), 1e-3, dtype=np.float16).view(np.uint8)
-    return gguf_blocks.pack_gguf(gguf_blocks.Q4_K, b.reshape(n, -1), n, k)
+    kind, fp16_at = GGUF[fmt]
+    per, size = gguf_blocks.BLOCK[kind]
+    rng = np.random.default_rng(n + k)  # random bytes, with small positive fp16 scales where the format keeps them
+    b = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+    for at in fp16_at:
+        b[..., at:at + 2] = np.full((n, k // per, 1), 1e-3, dtype=np.float16).view(np.uint8)
+    return gguf_blocks.pack_gguf(kind, b.reshape(n, -1), n, k)
 
 
 def kernel(p: PackedWeight, compute: Compute, int8: bool) -> Any:
@@ -60,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--format", choices=("int4", "q4_k"), default="int4")
+    parser.add_argument("--format", choices=("int4", *GGUF), default="int4")
     args = parser.parse_args()
     lib = native.load()
     compute = Compute.BF16 if lib.native_vnni() else Compute.F32 if lib.native_avx2() else None
