@@ -8,6 +8,7 @@ are split between threads. Products after SILU_MUL (the MLP's down projection) k
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from gguf_blocks_ref import Q4_FORMATS, Reference, fma, random_blocks, reference
+from tiny_gguf import T as GGML
+from tiny_gguf import write_tiny_llama
 
 from lmrpc.kernels import gguf_blocks, native, packing, quantize
 from lmrpc.kernels.packing import Compute, PackedWeight
@@ -37,13 +40,13 @@ pytestmark = pytest.mark.skipif(COMPUTE is None, reason="no int8-activation prod
 ROWS = [*range(1, 14), 16, 17, 31, 40]
 
 
-def kernel(p: PackedWeight, int8: bool, compute: Compute | None = None) -> Any:
+def kernel(p: PackedWeight, int8: bool, compute: Compute | None = None, **kw: Any) -> Any:
     ks = p.kscales
     extra = {} if ks is None else {"kd": ks.d, "kdmin": ks.dmin, "ksc": ks.sc, "km": ks.m,
                                    "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8}
     kind = COMPUTE if compute is None else compute  # (not `compute or COMPUTE`: Compute.F32 is 0)
     return native.load().PackedLinear(int(p.format), int(kind), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
-                                      p.offset, None, int8_activations=int8, **extra)
+                                      p.offset, None, int8_activations=int8, **extra, **kw)
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -140,11 +143,57 @@ def test_the_loader_says_which_weights_take_them(tiny_llama_dir: Path, caplog: p
                                             int8_activations=True))
     linears = loaded.model.linear_layers()  # type: ignore[attr-defined]
     took = [isinstance(lin, NativeLinear) and lin.int8_activations for lin in linears]
-    assert took == [False] + [True] * 8  # the int8 output head does not; every int4 layer product does
-    assert "8 of 9 weights take int8 activations" in caplog.text
+    # The int8 output head does not, nor the down projections (their SiLU-gated inputs stay float); the rest do.
+    assert took == [False] + [True, True, True, False] * 2
+    assert "6 of 9 weights take int8 activations" in caplog.text
     # Without 4-bit weights nothing can: a warning says so.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="lmrpc.server.models.quantized"):
         load_model(ModelConfig(path=str(model), dtype=dtype, device="cpu", quantization="int8",
                                int8_activations=True))
     assert "no product takes them here" in caplog.text
+
+
+def test_codes_rewritten_in_place_give_the_same_products_and_rows() -> None:
+    """vnni_in_place (the loader's: its arena holds each layer's own copy): on AVX512-VNNI the codes are put in the
+    int8 products' order where they lie rather than once more beside them, so the weight is held once. Products and
+    embedding rows (a tied head's) are bit for bit the copy's; SiLU-gated (float) inputs are refused."""
+    vnni = bool(native.load().native_vnni())
+    n, k = 100, 256
+    for fmt in sorted(Q4_FORMATS):
+        raw = random_blocks(fmt, n, k, seed=7)
+        p = gguf_blocks.pack_gguf(int(Q4_FORMATS[fmt]), raw, n, k)
+        copy, plain = kernel(p, int8=True), kernel(p, int8=False)
+        own = replace(p, data=p.data.clone())
+        in_place = kernel(own, int8=True, vnni_in_place=True)
+        assert in_place.codes_in_vnni_order == vnni and not copy.codes_in_vnni_order
+        assert not torch.equal(own.data, p.data) if vnni else torch.equal(own.data, p.data)
+        x = torch.randn(17, k, generator=torch.Generator().manual_seed(8))
+        for m in (1, 2, 7, 17):
+            assert torch.equal(in_place.forward(x[:m]), copy.forward(x[:m])), (fmt, m)
+        ids = torch.tensor([0, 5, 31, 32, 99])
+        assert torch.equal(in_place.rows(ids), plain.rows(ids)), fmt
+        assert in_place.nbytes == plain.nbytes
+        assert copy.nbytes == plain.nbytes + (p.n_pad * p.k_pad // 2 if vnni else 0)
+        if vnni:
+            with pytest.raises(RuntimeError, match="takes no SiLU-gated inputs"):
+                in_place.forward(torch.randn(2, 2 * k), silu=True)
+
+
+def test_the_loader_holds_a_tied_q4_head_once(tmp_path: Path) -> None:
+    """A GGUF whose matrices are all Q4_0, its output head tied to the embeddings, loaded with int8 activations:
+    where the codes are reordered in place (VNNI), the embedding rows read from the reordered head are those of
+    the same file loaded without int8 activations, and the down projections (float inputs) keep the stored order."""
+    if COMPUTE != Compute.BF16:
+        pytest.skip("the codes are reordered only for AVX512-VNNI's int8 products")
+    path = write_tiny_llama(tmp_path / "q4_0.gguf", GGML.Q4_0)
+    loaded = {int8: load_model(ModelConfig(path=str(path), dtype="bfloat16", device="cpu", int8_activations=int8))
+              for int8 in (False, True)}
+    model = loaded[True].model
+    head = model.lm_head  # type: ignore[attr-defined]
+    assert head.op.codes_in_vnni_order
+    for layer in model.layers:  # type: ignore[attr-defined]
+        assert layer.qkv.op.codes_in_vnni_order and layer.gate_up.op.codes_in_vnni_order
+        assert not layer.down.int8_activations and not layer.down.op.codes_in_vnni_order
+    ids = torch.tensor([0, 1, 17, 4096, 49151])
+    assert torch.equal(model.embed(ids), loaded[False].model.embed(ids))  # type: ignore[attr-defined]

@@ -215,6 +215,10 @@ float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
         q = static_cast<const int8_t*>(w.data)[vector * 32 + lane];
       } else if (w.format == WeightFormat::Q6) {
         q = q6_code(q6_group(w, vector), static_cast<int>(vector % 4), lane);
+      } else if (w.codes_in_vnni_order()) {  // (linear.h: PackedWeight::vnni)
+        const int64_t kg = k % 32, e = kg % 4, quad = (kg % 16) / 4;
+        const uint8_t byte = w.vnni[(pair * groups + g) * 512 + (quad * 2 + t) * 64 + 4 * o + e];
+        q = q4_value(kg < 16 ? byte & 15 : byte >> 4, w.q4_signed);
       } else {
         const int64_t jg = j % 16;
         const uint8_t byte =

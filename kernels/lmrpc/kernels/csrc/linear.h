@@ -71,8 +71,12 @@ struct PackedWeight {
   bool int16 = false;
   // For the VNNI products: the codes once more, per tile pair and group 512 bytes: for quad q < 4, tile t, output
   // o, byte e: the code of k = 4q + e in the low nibble and of k = 4(q + 4) + e in the high nibble (at
-  // (q * 2 + t) * 64 + 4 * o + e). Else null.
+  // (q * 2 + t) * 64 + 4 * o + e). Else null. It may be `data` itself (vnni_codes in place: the stored order is
+  // gone; codes_in_vnni_order), so that the weight is not held twice: then no product of it takes float inputs,
+  // and weight_rows reads this order.
   const uint8_t* vnni = nullptr;
+
+  bool codes_in_vnni_order() const { return vnni != nullptr && vnni == data; }
 
   bool k_scaled() const { return ks.d != nullptr; }
   bool quantized() const {
@@ -127,7 +131,8 @@ void weight_rows(const PackedWeight& w, const int64_t* ids, int64_t count, float
 // The codes of a quantized weight as bfloat16 values in the BF16 layout: out [n_pad * k_pad] (PackedWeight::codes).
 void expand_codes(const PackedWeight& w, uint16_t* out);
 
-// The codes of a Q4 weight in the layout of PackedWeight::vnni: out [n_pad * k_pad / 2].
+// The codes of a Q4 weight in the layout of PackedWeight::vnni: out [n_pad * k_pad / 2], which may be w.data
+// itself (rewritten in place: each tile pair's group keeps its 512 bytes).
 void vnni_codes(const PackedWeight& w, uint8_t* out);
 
 // Whether products of such a weight can take int16 activations (Q4; Q8 and Q6 in groups of 32, or of 16 without

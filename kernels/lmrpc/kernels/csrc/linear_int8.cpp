@@ -194,21 +194,25 @@ void int8_pair_avx2(const PackedWeight& w, const Inputs& in, const LinearArgs& a
 void vnni_codes(const PackedWeight& w, uint8_t* out) {
   const int64_t groups = w.k_pad / 32, pairs = w.n_pad / 32;
   const uint8_t* data = static_cast<const uint8_t*>(w.data);
-  auto code = [&](int64_t n, int64_t k) {  // the stored code (see linear.h's Q4 layout)
-    const int64_t pair = n / 32, t = (n / 16) % 2, o = n % 16, g = k / 32, jg = (k / 2) % 16;
-    const uint8_t byte = data[((pair * groups + g) * 2 + t) * 256 + 32 * (jg / 2) + 2 * o + k % 2];
+  // Both layouts keep a tile pair's group in the same 512 bytes: each is read from a copy, so out may be data.
+  uint8_t block[512];
+  auto code = [&](int t, int o, int kg) {  // the stored code of tile t, output o, input kg of the group (linear.h)
+    const int jg = kg / 2;
+    const uint8_t byte = block[t * 256 + 32 * (jg / 2) + 2 * o + kg % 2];
     return jg % 2 == 0 ? byte & 15 : byte >> 4;
   };
   for (int64_t p = 0; p < pairs; ++p)
-    for (int64_t g = 0; g < groups; ++g)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (p * groups + g) * 512;
+      std::memcpy(block, data + at, 512);
       for (int q = 0; q < 4; ++q)
         for (int t = 0; t < 2; ++t)
           for (int o = 0; o < 16; ++o)
             for (int e = 0; e < 4; ++e) {
-              const int64_t n = 32 * p + 16 * t + o, k = 32 * g + 4 * q + e;
-              out[(p * groups + g) * 512 + (q * 2 + t) * 64 + 4 * o + e] =
-                  static_cast<uint8_t>(code(n, k) | (code(n, k + 16) << 4));
+              out[at + (q * 2 + t) * 64 + 4 * o + e] =
+                  static_cast<uint8_t>(code(t, o, 4 * q + e) | (code(t, o, 4 * q + e + 16) << 4));
             }
+    }
 }
 
 }  // namespace lmrpc

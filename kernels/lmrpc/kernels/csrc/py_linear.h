@@ -35,7 +35,8 @@ class PackedLinear {
                bool expand_codes = false, bool int8_activations = false, bool int16_activations = false,
                std::optional<at::Tensor> codes = std::nullopt, std::optional<at::Tensor> kd = std::nullopt,
                std::optional<at::Tensor> kdmin = std::nullopt, std::optional<at::Tensor> ksc = std::nullopt,
-               std::optional<at::Tensor> km = std::nullopt, int64_t super_groups = 1, bool sc_signed = false)
+               std::optional<at::Tensor> km = std::nullopt, int64_t super_groups = 1, bool sc_signed = false,
+               bool vnni_in_place = false)
       : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias), kd_(kd), kdmin_(kdmin), ksc_(ksc),
         km_(km), compute_(static_cast<lmrpc::Compute>(compute)) {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
@@ -102,13 +103,18 @@ class PackedLinear {
                             __builtin_ctzll(static_cast<unsigned long long>(super_groups)),
                             sc_signed};
     }
-    // Int8 activations: bfloat16 compute on AVX512-VNNI, with the codes once more in their layout; float32 compute
-    // on AVX2, over the Q4 layout as it is.
+    // Int8 activations: bfloat16 compute on AVX512-VNNI, with the codes in their own layout: once more, or with
+    // vnni_in_place (the caller hands the data over) rewritten in place, so that the weight is held once (its
+    // products then never take float inputs: args()); float32 compute on AVX2, over the Q4 layout as it is.
     if (int8_activations && fmt == lmrpc::WeightFormat::Q4) {
       if (compute_ == lmrpc::Compute::BF16 && lmrpc::native_vnni()) {
-        vnni_ = at::empty({n_pad * k_pad / 2}, data_.options().dtype(at::kByte));
-        lmrpc::vnni_codes(w_, vnni_->data_ptr<uint8_t>());
-        w_.vnni = vnni_->data_ptr<uint8_t>();
+        uint8_t* vnni = static_cast<uint8_t*>(data_.data_ptr());
+        if (!vnni_in_place) {
+          vnni_ = at::empty({n_pad * k_pad / 2}, data_.options().dtype(at::kByte));
+          vnni = vnni_->data_ptr<uint8_t>();
+        }
+        lmrpc::vnni_codes(w_, vnni);
+        w_.vnni = vnni;
         w_.int8 = true;
       } else if (compute_ == lmrpc::Compute::F32 && lmrpc::native_avx2()) {
         w_.int8 = true;
@@ -197,6 +203,8 @@ class PackedLinear {
                          const int64_t* y_rows = nullptr) const {
     check_f32_rows(x, silu ? 2 * w_.k : w_.k, "x");
     TORCH_CHECK(!(silu && norm_weight != nullptr), "one prologue at a time");
+    TORCH_CHECK(!(silu && codes_in_vnni_order()), "a weight whose codes were rewritten for int8 activations "
+                "(vnni_in_place) takes no SiLU-gated inputs: those products keep float inputs (build it without)");
     TORCH_CHECK(x_rows != nullptr || x.size(0) >= m, "x rows");
     check_f32_rows(y, w_.n, "out");
     TORCH_CHECK(y_rows != nullptr || y.size(0) >= m, "out rows");
@@ -246,6 +254,11 @@ class PackedLinear {
   int64_t k() const { return w_.k; }
   bool int8_activations() const {
     return w_.int8 || std::any_of(parts_.begin(), parts_.end(), [](const auto& p) { return p->w_.int8; });
+  }
+  // Whether the codes are held only in the VNNI products' order (vnni_in_place): then no product takes float inputs.
+  bool codes_in_vnni_order() const {
+    return w_.codes_in_vnni_order() ||
+           std::any_of(parts_.begin(), parts_.end(), [](const auto& p) { return p->codes_in_vnni_order(); });
   }
   bool int16_activations() const {
     return w_.int16 || std::any_of(parts_.begin(), parts_.end(), [](const auto& p) { return p->w_.int16; });

@@ -179,7 +179,7 @@ class LlamaForCausalLM:
         p = f"model.layers.{i}."
         return self._decoder_layer(w, builder, i, gate_up=builder.build(stack_rows(
             [w.matrix(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
-            down=builder.build(w.matrix(p + "mlp.down_proj.weight")))
+            down=builder.build(w.matrix(p + "mlp.down_proj.weight"), gated_inputs=True))
 
     def _decoder_layer(self, w: WeightSource, builder: LinearBuilder, i: int, gate_up: LinearLayer,
                        down: LinearLayer) -> DecoderLayer:

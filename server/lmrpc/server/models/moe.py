@@ -212,11 +212,13 @@ class MoEForCausalLM(LlamaForCausalLM):
             gate_up=tuple(builder.build(stack_rows([w.matrix(p + f"experts.{e}.{gate}.weight"),
                                                     w.matrix(p + f"experts.{e}.{up}.weight")]))
                           for e in range(num)),
-            down=tuple(builder.build(w.matrix(p + f"experts.{e}.{down}.weight")) for e in range(num)),
+            down=tuple(builder.build(w.matrix(p + f"experts.{e}.{down}.weight"), gated_inputs=True)
+                       for e in range(num)),
             shared_gate_up=builder.build(stack_rows([w.matrix(p + "shared_expert.gate_proj.weight"),
                                                      w.matrix(p + "shared_expert.up_proj.weight")]))
             if shared else None,
-            shared_down=builder.build(w.matrix(p + "shared_expert.down_proj.weight")) if shared else None,
+            shared_down=(builder.build(w.matrix(p + "shared_expert.down_proj.weight"), gated_inputs=True)
+                         if shared else None),
             top_k=self.experts.top_k, normalize=self.experts.normalize,
         )
         full = None

@@ -59,11 +59,14 @@ class NativeLinear:
             # bfloat16 codes [n_pad * k_pad] (the kernel expands them where the CPU has AVX512-BF16, else leaves
             # this untouched: never resident)
             codes = arena.zeros((weight.n_pad * weight.k_pad,), torch.int16)
+        # With int8 activations on AVX512-VNNI the kernel reorders Q4 codes for them: in place when the arena holds
+        # this layer's own copy (else once more), so the weight is held once. self.weight.data then holds that order.
         self._op = native.load().PackedLinear(
             int(weight.format), int(compute), weight.n, weight.k, weight.group, weight.q4_signed, weight.data,
             weight.scale, weight.offset, None if bias is None else bias.float().contiguous(),
             expand_codes=expand_codes, int8_activations=int8_activations,
             int16_activations=int16_activations, codes=codes, **_kscale_args(weight),
+            vnni_in_place=arena is not None,
         )
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
@@ -121,7 +124,7 @@ class StackedLinear(NativeLinear):
 
 def report_int8_activations(linears: list[LinearLayer]) -> tuple[int, int]:
     """--int8-activations: how many weights are set up for them (logged; a warning when none can), of how many.
-    (A weight set up for them still takes float inputs where its prologue is SiLU-gating: the down projection.)"""
+    (Down projections, whose inputs are SiLU-gated, keep float inputs: LinearBuilder.build's gated_inputs.)"""
     took = sum(1 for lin in linears if isinstance(lin, NativeLinear) and lin.int8_activations)
     if took == 0:
         logger.warning("--int8-activations: no product takes them here: they need 4-bit weights (int4, Q4_0/Q4_1/"
@@ -202,8 +205,11 @@ class LinearBuilder:
     def compute(self) -> Compute:
         return Compute.BF16 if self.dtype == torch.bfloat16 else Compute.F32
 
-    def build(self, weight: Matrix, bias: torch.Tensor | None = None, output: bool = False) -> LinearLayer:
-        """A layer for `weight` [out, in]; output: it is the output projection (int4 keeps it in 8 bits)."""
+    def build(self, weight: Matrix, bias: torch.Tensor | None = None, output: bool = False,
+              gated_inputs: bool = False) -> LinearLayer:
+        """A layer for `weight` [out, in]; output: it is the output projection (int4 keeps it in 8 bits);
+        gated_inputs: its inputs are SiLU-gated (an MLP's down projection), which keep float inputs under
+        --int8-activations (the kernels' int8_inputs), so it is not set up for them."""
         if isinstance(weight, RowParts):
             if self.native and self.quantization in (Quantization.AUTO, Quantization.INT4):
                 return self._stacked(weight, bias)
@@ -218,7 +224,8 @@ class LinearBuilder:
         # the kernel would leave it untouched, and it must not spend the budget), and within the budget.
         expand = (self.expand_codes and packed.label in ("q8_0", "int8") and self.compute == Compute.BF16
                   and bool(native.load().native_bf16()) and self.codes_budget.take(2 * packed.n_pad * packed.k_pad))
-        return NativeLinear(packed, self.compute, bias, expand_codes=expand, int8_activations=self.int8_activations,
+        return NativeLinear(packed, self.compute, bias, expand_codes=expand,
+                            int8_activations=self.int8_activations and not gated_inputs,
                             int16_activations=self.int16_activations, arena=self.arena)
 
     def _stacked(self, weight: RowParts, bias: torch.Tensor | None) -> StackedLinear:
