@@ -10,6 +10,7 @@
 #include "linear.h"
 #include "linear_impl.h"
 #include "linear_kernels.h"
+#include "linear_kernels_codes.h"
 
 namespace lmrpc::linear_detail {
 
