@@ -81,13 +81,12 @@ void block_bf16_ks(const Source* src, int64_t groups, int64_t gkp, const RowBloc
   store_block<R, P, KS>(Y, rb);
 }
 
-// R rows x one tile pair of Q4 weights over every group, the codes expanded in registers from their 4-bit blocks
-// (vpermw on the bf16 table): the kpairs of each group in the same order as block_bf16 over expanded codes, so the
-// same bits, from a quarter of the bytes.
-template <int R, bool KS>
-void block_q4_ks(const PackedWeight& w, int64_t p, const Q4Table& table, int64_t groups, const RowBlock& rb) {
-  const uint8_t* data = static_cast<const uint8_t*>(w.data);
-  const __m512i lut = _mm512_load_si512(table.bf16);
+// R rows x one tile pair over every group, the frame of the kernels that make codes bf16 in registers (block_q4 here,
+// block_codes in linear_kernels_codes.h): group_sums(acc, g) adds group g's kpairs to the rows' 2R sums acc [R][2]
+// (zeroed here), which are folded into the totals as fold_group does and, for a K-scaled weight, per super-block.
+template <int R, bool KS, typename GroupSums>
+LMRPC_INLINE void rows_over_groups(const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb,
+                                   GroupSums&& group_sums) {
   const int64_t pairs[1] = {p};
   ks_begin<R, 1, KS>(rb);
   __m512 Y[R][2];
@@ -96,29 +95,41 @@ void block_q4_ks(const PackedWeight& w, int64_t p, const Q4Table& table, int64_t
   for (int64_t g0 = 0; g0 < groups; g0 += span) {
     for (int64_t g = g0; g < g0 + span; ++g) {
       const GroupWeights gw[1] = {group_weights(w, p, groups, g, nullptr)};
-      const uint8_t* src = data + (p * groups + g) * 512;
-      prefetch_q4_ahead(src);
       __m512 acc[R][2];
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      for (int c = 0; c < 8; ++c) {  // kpairs 2c (low nibbles) and 2c + 1 (high nibbles)
-        for (int t = 0; t < 2; ++t) {
-          const Q4Chunk chunk = q4_chunk(src, t, c, lut);
-          const __m512bh lo = reinterpret_cast<__m512bh>(chunk.lo), hi = reinterpret_cast<__m512bh>(chunk.hi);
-          for (int r = 0; r < R; ++r) {
-            int32_t p0, p1;
-            const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + 32 * g + 4 * c;
-            std::memcpy(&p0, x, 4);
-            std::memcpy(&p1, x + 2, 4);
-            acc[r][t] = _mm512_dpbf16_ps(acc[r][t], lo, reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0)));
-            acc[r][t] = _mm512_dpbf16_ps(acc[r][t], hi, reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1)));
-          }
-        }
-      }
+      group_sums(acc, g);
       fold_group<R, 1, true>(Y, acc, gw, rb, g);
     }
     ks_fold_block<R, 1, KS>(Y, w, pairs, groups, g0 + span - 1, rb);
   }
   store_block<R, 1, KS>(Y, rb);
+}
+
+// R rows x one tile pair of Q4 weights over every group, the codes expanded in registers from their 4-bit blocks
+// (vpermw on the bf16 table): the kpairs of each group in the same order as block_bf16 over expanded codes, so the
+// same bits, from a quarter of the bytes.
+template <int R, bool KS>
+void block_q4_ks(const PackedWeight& w, int64_t p, const Q4Table& table, int64_t groups, const RowBlock& rb) {
+  const uint8_t* data = static_cast<const uint8_t*>(w.data);
+  const __m512i lut = _mm512_load_si512(table.bf16);
+  rows_over_groups<R, KS>(w, p, groups, rb, [&](__m512 (&acc)[R][2], int64_t g) LMRPC_LAMBDA_INLINE {
+    const uint8_t* src = data + (p * groups + g) * 512;
+    prefetch_q4_ahead(src);
+    for (int c = 0; c < 8; ++c) {  // kpairs 2c (low nibbles) and 2c + 1 (high nibbles)
+      for (int t = 0; t < 2; ++t) {
+        const Q4Chunk chunk = q4_chunk(src, t, c, lut);
+        const __m512bh lo = reinterpret_cast<__m512bh>(chunk.lo), hi = reinterpret_cast<__m512bh>(chunk.hi);
+        for (int r = 0; r < R; ++r) {
+          int32_t p0, p1;
+          const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + 32 * g + 4 * c;
+          std::memcpy(&p0, x, 4);
+          std::memcpy(&p1, x + 2, 4);
+          acc[r][t] = _mm512_dpbf16_ps(acc[r][t], lo, reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0)));
+          acc[r][t] = _mm512_dpbf16_ps(acc[r][t], hi, reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1)));
+        }
+      }
+    }
+  });
 }
 
 template <int R, int P, bool Q, bool KS, typename Source>

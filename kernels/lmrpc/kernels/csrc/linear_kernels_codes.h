@@ -63,43 +63,30 @@ void block_codes_ks(const PackedWeight& w, int64_t p, const Q6Table& table, int6
   const int64_t gkp = w.group / 2;
   const PairIndex at{&w, p, groups, gkp, w.k_pad / 2};
   const __m512i lut_lo = _mm512_load_si512(table.bf16), lut_hi = _mm512_load_si512(table.bf16 + 32);
-  const int64_t pairs[1] = {p};
-  ks_begin<R, 1, KS>(rb);
-  __m512 Y[R][2];
-  for (int r = 0; r < R; ++r) Y[r][0] = Y[r][1] = _mm512_setzero_ps();
-  const int64_t span = KS ? int64_t{1} << w.ks.super_shift : groups;  // groups between folds
-  for (int64_t g0 = 0; g0 < groups; g0 += span) {
-    for (int64_t g = g0; g < g0 + span; ++g) {
-      const GroupWeights gw[1] = {group_weights(w, p, groups, g, nullptr)};
-      const int64_t first = at.vectors(g);
-      __m512 acc[R][2];
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      for (int64_t u = 0; u < gkp / 2; ++u) {
-        __m512i v[4];  // kpair 2u tile 0, tile 1; kpair 2u + 1 tile 0, tile 1
-        if constexpr (kQ6) {
-          q6_unit_bf16(q6_group(w, first) + u * kQ6UnitBytes, lut_lo, lut_hi, v);
-        } else {
-          const int8_t* codes = static_cast<const int8_t*>(w.data) + (first + 4 * u) * 32;
-          for (int i = 0; i < 4; ++i) v[i] = q8_vector_bf16(codes + 32 * i);
-        }
-        for (int r = 0; r < R; ++r) {
-          int32_t p0, p1;
-          const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + 2 * (g * gkp + 2 * u);
-          std::memcpy(&p0, x, 4);
-          std::memcpy(&p1, x + 2, 4);
-          const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
-          const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
-          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[0]), x0);
-          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[1]), x0);
-          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[2]), x1);
-          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[3]), x1);
-        }
+  rows_over_groups<R, KS>(w, p, groups, rb, [&](__m512 (&acc)[R][2], int64_t g) LMRPC_LAMBDA_INLINE {
+    const int64_t first = at.vectors(g);
+    for (int64_t u = 0; u < gkp / 2; ++u) {
+      __m512i v[4];  // kpair 2u tile 0, tile 1; kpair 2u + 1 tile 0, tile 1
+      if constexpr (kQ6) {
+        q6_unit_bf16(q6_group(w, first) + u * kQ6UnitBytes, lut_lo, lut_hi, v);
+      } else {
+        const int8_t* codes = static_cast<const int8_t*>(w.data) + (first + 4 * u) * 32;
+        for (int i = 0; i < 4; ++i) v[i] = q8_vector_bf16(codes + 32 * i);
       }
-      fold_group<R, 1, true>(Y, acc, gw, rb, g);
+      for (int r = 0; r < R; ++r) {
+        int32_t p0, p1;
+        const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + 2 * (g * gkp + 2 * u);
+        std::memcpy(&p0, x, 4);
+        std::memcpy(&p1, x + 2, 4);
+        const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
+        const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[0]), x0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[1]), x0);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[2]), x1);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[3]), x1);
+      }
     }
-    ks_fold_block<R, 1, KS>(Y, w, pairs, groups, g0 + span - 1, rb);
-  }
-  store_block<R, 1, KS>(Y, rb);
+  });
 }
 
 template <int R, bool kQ6>
