@@ -29,7 +29,7 @@ async def burst(generate: Generate, server: serverproc.ServerProcess, streams: i
     """`streams` requests of random token ids sent at once, timed as bench/served.py times a level."""
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(streams)]
     traces = await asyncio.gather(*(generate(p, args.new_tokens) for p in prompts))
-    return level_run(traces, args.new_tokens, serverproc.resident_bytes(server.pid) / 2**20)
+    return level_run(traces, len(traces), args.new_tokens, serverproc.resident_bytes(server.pid) / 2**20)
 
 
 async def main(args: argparse.Namespace) -> None:

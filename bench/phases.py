@@ -8,10 +8,10 @@ and the rest. Engine alone (no gRPC), the bundled model at its defaults unless t
 Each repeat sends --streams requests of random token ids at once (greedy, EOS ignored, prefix cache off so every
 repeat prefills), after one untimed warm-up run. Per repeat it prints wall time and tok/s, then per kind of step
 (prefill: any chunk of more than one token; decode: one token per sequence) the count, total and mean time of the
-whole step and of the model's forward, and the step phases outside the forward summed over all steps. On a GPU the
-forward's timer waits for the device (torch.cuda.synchronize), so its work is counted there, not in the first phase
-that reads a result back (the sampler). One run on a shared machine proves little: compare repeats, and A/B a change
-in alternating runs.
+whole step and of the model's forward, and the step phases outside the forward summed over all steps, and the rows
+(tokens) each kind of step ran. On a GPU the forward's timer waits for the device (torch.cuda.synchronize), so its
+work is counted there, not in the first phase that reads a result back (the sampler). One run on a shared machine
+proves little: compare repeats, and A/B a change in alternating runs.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class StepClock:
     def __init__(self, engine: Any) -> None:
         self.totals: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.counts: collections.Counter[str] = collections.Counter()
+        self.rows: collections.Counter[str] = collections.Counter()  # rows (tokens) the forwards of each kind ran
         self.kind: str | None = None
         forward = engine.executor.forward
         on_gpu = engine.executor.device.type == "cuda"
@@ -52,6 +53,7 @@ class StepClock:
 
         def timed_forward(batch: ScheduledBatch) -> Any:
             self.kind = "decode" if all(c.num_tokens == 1 for c in batch.chunks) else "prefill"
+            self.rows[self.kind] += sum(c.num_tokens for c in batch.chunks)
             return self._time(f"forward {self.kind}", forward_done, batch)
 
         engine.executor.forward = timed_forward
@@ -83,6 +85,7 @@ class StepClock:
     def reset(self) -> None:
         self.totals.clear()
         self.counts.clear()
+        self.rows.clear()
 
 
 async def run(engine: AsyncEngine, streams: int, prompt_len: int, new_tokens: int, rng: random.Random) -> None:
@@ -140,6 +143,10 @@ def main() -> None:
             for key in sorted(clock.totals):
                 total, count = clock.totals[key], clock.counts[key]
                 print(f"  {key:18s} {total:7.3f} s  {count:4d} x {1000 * total / count:7.2f} ms")
+            for kind, rows in sorted(clock.rows.items()):
+                seconds = clock.totals[f"forward {kind}"]
+                print(f"  rows {kind:13s} {rows:7d}    {rows / clock.counts[f'forward {kind}']:7.1f} a step, "
+                      f"{1000 * seconds / rows:.2f} ms a row")
     finally:
         engine.shutdown()
 

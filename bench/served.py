@@ -2,7 +2,7 @@
 
     nice -n 19 .venv/bin/python bench/served.py [--gguf FILE] [--llama-gguf best|bf16|same|FILE] [--streams 1 8 32]
                                                 [--rounds 3] [--lmrpc-args "--quantization none"] [--json FILE]
-                                                [--llama-server PATH] [--skip-cold]
+                                                [--llama-server PATH] [--skip-cold] [--requests 1]
 
 Both servers run on loopback for the whole benchmark: lmrpc-server (python -m lmrpc.server --model FILE, as
 --lmrpc-args says) and llama-server (-m FILE). --gguf (default: the bundled model) is lmrpc's file; llama.cpp's is
@@ -11,21 +11,23 @@ Q4_0, which llama.cpp repacks at load into interleaved blocks for its fastest ke
 that already; a bench/shapes.py file's Q4_0-pure sibling; else made once with llama-quantize --pure into
 bench/build_llamacpp.sh's cache; for the bundled model, the build script's Q4_0_GGUF); bf16: the same weight values
 widened to BF16 (the computation lmrpc's own weights stand for, at llama.cpp's BF16 speed); same: --gguf itself;
-or any file. bench/build_llamacpp.sh builds llama.cpp and is run here unless --llama-server is given (once cached
-it does nothing). Each stream is one request: --prompt-len random ordinary token ids (100..40000, seeded),
---new-tokens new tokens, greedy, EOS ignored, streamed; lmrpc through the Python AsyncClient (gRPC), llama.cpp
-through its native /completion endpoint (HTTP/1.1 server-sent events, a fresh loopback connection per request, its
-connect time counted).
+or any file. bench/build_llamacpp.sh builds llama.cpp and is run here unless --llama-server is given (once cached it
+does nothing). Each stream is one request (with --requests N, N requests one after another, each a new prompt):
+--prompt-len random ordinary token ids (100..40000, seeded), --new-tokens new tokens, greedy, EOS ignored, streamed;
+lmrpc through the Python AsyncClient (gRPC), llama.cpp through its native /completion endpoint (HTTP/1.1 server-sent
+events, a fresh loopback connection per request, its connect time counted).
 
 Each of --rounds rounds runs every level of --streams on both systems, the systems taking turns (which goes first
 alternates from round to round), so a shared machine's slow and fast minutes fall on both alike. A level sends all
 its streams at once, with prompts new to both servers (and the same for both). Per system and level:
   tok/s    all generated tokens / wall time from the first request sent to the last token received
-  TTFT     per stream, from sending its request to its first token; p50 and p90 over the level's streams
+  TTFT     per request, from sending it to its first token; p50 and p90 over the level's requests (at one stream
+           and --requests 1 that is a single request a round: one sample, as noisy as the host's minute)
   ITL      gaps between a stream's consecutive messages; a message carrying k tokens counts as k gaps of gap/k
            (lmrpc may put several tokens in one message; llama.cpp sends one per event, but a token ending in
            incomplete UTF-8 comes with the next); p50 over all streams' gaps
-  decode   tokens after each stream's first / time from the first token received to the last (no prompt time)
+  decode   tokens after each stream's first / time from the first token received to the last (no prompt time;
+           with --requests above 1, streams x tokens after each request's first / the requests' such times summed)
   RSS      the server's VmRSS (/proc/PID/status) right after the level; peak VmHWM at the end
 Figures are medians over rounds; "ratio" is the median over rounds of lmrpc / llama.cpp measured in the same round
 (tok/s: above 1 is lmrpc faster; TTFT: above 1 is lmrpc slower). Startup, process start to SERVING (lmrpc: gRPC
@@ -103,7 +105,7 @@ class StreamTrace:
 
 @dataclass(frozen=True)
 class LevelRun:
-    streams: int  # concurrent streams
+    streams: int  # concurrent streams (each sending --requests requests one after another)
     tok_s: float  # all generated tokens / wall time from the first request sent to the last token received
     ttft_p50_ms: float  # median time from sending a request to its first token
     ttft_p90_ms: float  # 90th percentile of the same
@@ -111,7 +113,7 @@ class LevelRun:
     decode_tok_s: float  # tokens after each stream's first / time from the first token received to the last
     tokens: int  # generated tokens received, all streams
     tokens_per_message: float  # tokens / streamed messages carrying tokens (llama.cpp about 1; lmrpc may batch)
-    short_streams: int  # streams that got fewer tokens than asked (0 unless something went wrong)
+    short_streams: int  # requests that got fewer tokens than asked (0 unless something went wrong)
     rss_mib: float  # the server's VmRSS right after this level
 
 
@@ -180,21 +182,32 @@ def inter_token_gaps(trace: StreamTrace) -> list[float]:
     return gaps
 
 
-def level_run(traces: Sequence[StreamTrace], new_tokens: int, rss_mib: float) -> LevelRun:
+def decode_rate(traces: Sequence[StreamTrace], streams: int) -> float:
+    """Tokens a second while decoding (the bandwidth figure's rate): a request's prompt time ends with its first
+    token. One request per stream: the tokens after each one's first / the time from the first token received to
+    the last. Several in turn per stream (a later request's prompt would count as decoding there): streams x those
+    tokens / the requests' own first-to-last times summed."""
+    decoded = sum(t.num_tokens - t.arrivals[0][1] for t in traces)
+    if len(traces) == streams:
+        first_token, end = min(t.arrivals[0][0] for t in traces), max(t.arrivals[-1][0] for t in traces)
+        return decoded / (end - first_token) if end > first_token else float("nan")
+    spans = sum(t.arrivals[-1][0] - t.arrivals[0][0] for t in traces)
+    return streams * decoded / spans if spans > 0 else float("nan")
+
+
+def level_run(traces: Sequence[StreamTrace], streams: int, new_tokens: int, rss_mib: float) -> LevelRun:
+    """One system's figures at one level: `traces` are every request of its `streams` streams."""
     if any(not t.arrivals for t in traces):
-        raise RuntimeError("a stream ended without a single token")
+        raise RuntimeError("a request ended without a single token")
     start = min(t.sent for t in traces)
     end = max(t.arrivals[-1][0] for t in traces)
     tokens = sum(t.num_tokens for t in traces)
     ttfts = [t.arrivals[0][0] - t.sent for t in traces]
     gaps = [g for t in traces for g in inter_token_gaps(t)]
-    # Decoding alone (the bandwidth figure's rate): the prompt's time ends with a stream's first token
-    first_token = min(t.arrivals[0][0] for t in traces)
-    decoded = sum(t.num_tokens - t.arrivals[0][1] for t in traces)
     return LevelRun(
-        streams=len(traces), tok_s=tokens / (end - start), ttft_p50_ms=1e3 * percentile(ttfts, 0.5),
+        streams=streams, tok_s=tokens / (end - start), ttft_p50_ms=1e3 * percentile(ttfts, 0.5),
         ttft_p90_ms=1e3 * percentile(ttfts, 0.9), itl_p50_ms=1e3 * percentile(gaps, 0.5) if gaps else float("nan"),
-        decode_tok_s=decoded / (end - first_token) if end > first_token else float("nan"),
+        decode_tok_s=decode_rate(traces, streams),
         tokens=tokens, tokens_per_message=tokens / sum(len(t.arrivals) for t in traces),
         short_streams=sum(t.num_tokens < new_tokens for t in traces), rss_mib=rss_mib)
 
@@ -515,19 +528,32 @@ class System:
     generate: Generate  # one streamed request
 
 
-async def run_streams(system: System, batch: list[list[int]], new_tokens: int, timeout: float) -> list[StreamTrace]:
+async def run_queues(system: System, queues: list[list[list[int]]], new_tokens: int,
+                     timeout: float) -> list[StreamTrace]:
+    """Every queue at once, a stream each, its prompts one after another; every request's trace, queue by queue."""
+    async def stream(queue: list[list[int]]) -> list[StreamTrace]:
+        return [await system.generate(p, new_tokens) for p in queue]
+
     system.server.check_alive()
     try:
-        return list(await asyncio.wait_for(asyncio.gather(*(system.generate(p, new_tokens) for p in batch)),
-                                           timeout))
+        done = await asyncio.wait_for(asyncio.gather(*(stream(q) for q in queues)), timeout)
     except (LmrpcError, LlamaError, OSError, EOFError, asyncio.TimeoutError):
         system.server.check_alive()  # a dead server is the better explanation: its last lines
         raise
+    return [trace for traces in done for trace in traces]
+
+
+async def run_streams(system: System, batch: list[list[int]], new_tokens: int, timeout: float) -> list[StreamTrace]:
+    """One request per stream, all at once."""
+    return await run_queues(system, [[p] for p in batch], new_tokens, timeout)
 
 
 async def run_level(system: System, batch: list[list[int]], args: argparse.Namespace) -> LevelRun:
-    traces = await run_streams(system, batch, args.new_tokens, args.timeout)
-    return level_run(traces, args.new_tokens, system.server.status_kib("VmRSS") / 1024)
+    """`batch`: --requests prompts per stream, stream by stream."""
+    n = args.requests
+    queues = [batch[i:i + n] for i in range(0, len(batch), n)]
+    traces = await run_queues(system, queues, args.new_tokens, args.timeout * n)
+    return level_run(traces, len(queues), args.new_tokens, system.server.status_kib("VmRSS") / 1024)
 
 
 async def agreement(systems: dict[str, System], args: argparse.Namespace, client: AsyncClient,
@@ -569,7 +595,7 @@ async def benchmark(args: argparse.Namespace, servers: dict[str, ServerProcess],
             for level in args.streams:
                 if level == 1:
                     reads.append(measure_bandwidth(args, f"round {r + 1}"))
-                batch = prompts(level, args.prompt_len, seed=f"round-{r}-{level}-{args.seed}")
+                batch = prompts(level * args.requests, args.prompt_len, seed=f"round-{r}-{level}-{args.seed}")
                 for name in order:
                     run = await run_level(systems[name], batch, args)
                     runs[name][level].append(run)
@@ -606,7 +632,8 @@ def table(args: argparse.Namespace, summaries: list[Summary], startup: Startup, 
         f"({models.lmrpc_bytes_per_token / 1e6:,.1f} MB of weights read per token), llama.cpp `{models.llama}` "
         f"({models.llama_bytes_per_token / 1e6:,.1f} MB).",
         "",
-        f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy, streamed; medians of {args.rounds} "
+        f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy, streamed"
+        f"{f', {args.requests} requests in turn per stream' if args.requests > 1 else ''}; medians of {args.rounds} "
         f"rounds, the systems taking turns; ratio = median of per-round lmrpc / llama.cpp. Servers: "
         f"`lmrpc-server {shlex.join(commands['lmrpc'][3:])}`; `llama-server {shlex.join(commands['llama.cpp'][1:])}`.",
         "",
@@ -636,7 +663,7 @@ def table(args: argparse.Namespace, summaries: list[Summary], startup: Startup, 
     short = {name: sum(getattr(m, attr).short_streams for m in summaries)
              for name, attr in (("lmrpc", "lmrpc"), ("llama.cpp", "llama"))}
     if any(short.values()):
-        lines.append(f"WARNING: streams with fewer than {args.new_tokens} tokens: {short}.")
+        lines.append(f"WARNING: requests with fewer than {args.new_tokens} tokens: {short}.")
     return "\n".join(lines)
 
 
@@ -805,15 +832,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="llama-server -t and the bandwidth sweep's threads (default: the CPUs this process may use, "
                    "as torch does for lmrpc)")
     p.add_argument("--bandwidth-passes", type=int, default=5, help="passes per bandwidth measurement (5)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for one level's streams (900)")
+    p.add_argument("--requests", type=int, default=1,
+                   help="requests each stream sends one after another, each a new prompt (1): TTFT p50 and p90 are "
+                   "over all of a level's requests (at one stream and 1, a single request a round)")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds allowed for one level's streams, per request of a stream (900)")
     p.add_argument("--skip-cold", action="store_true",
                    help="skip the cold lmrpc start (the usual $LMRPC_CACHE; its kernels built first if missing)")
     p.add_argument("--json", metavar="FILE", help="also write every round's figures as JSON")
     args = p.parse_args(argv)
     if args.rounds < 3:
         p.error("--rounds must be at least 3 (the figures are medians over rounds)")
-    if min(args.streams) < 1 or args.prompt_len < 1 or args.new_tokens < 2:
-        p.error("--streams, --prompt-len must be >= 1 and --new-tokens >= 2")
+    if min(args.streams) < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.requests < 1:
+        p.error("--streams, --prompt-len, --requests must be >= 1 and --new-tokens >= 2")
     if args.gguf is not None and not Path(args.gguf).is_file():
         p.error(f"--gguf: no such file: {args.gguf}")
     if args.bandwidth_passes < 1:
