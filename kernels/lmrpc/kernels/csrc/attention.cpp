@@ -1,4 +1,4 @@
-// Paged attention and RoPE + cache writes (see attention.h).
+// Paged attention (see attention.h; RoPE and the cache writes: rope.cpp).
 //
 // Each query is computed on its own, in the same order whatever the batch, the chunk or the thread: scores of its
 // keys in blocks of 16 (each a sum over head_dim, even and odd dimensions in two sums), the maximum, exp and a
@@ -10,89 +10,16 @@
 #include <vector>
 
 #include "attention_avx2.h"
+#include "attention_cache.h"
 #include "common.h"
 
 namespace lmrpc {
 
 namespace {
 
-// ---- cache access ----------------------------------------------------------------------------------------------
-
-template <typename S>
-inline S* key_block(const CacheView& c, int64_t page, int64_t kvh) {  // [head_dim][P]
-  return static_cast<S*>(c.keys) + (page * c.kv_heads + kvh) * c.head_dim * c.page_size;
-}
-
-template <typename S>
-inline S* value_block(const CacheView& c, int64_t page, int64_t kvh) {  // [P][head_dim]
-  return static_cast<S*>(c.values) + (page * c.kv_heads + kvh) * c.page_size * c.head_dim;
-}
-
-template <typename S>
-inline const char* block_bytes(const S* block) {
-  return reinterpret_cast<const char*>(block);
-}
-
-template <typename S>
-inline S store_as(float v) {
-  if constexpr (sizeof(S) == 2) return f32_to_bf16(v); else return v;
-}
-
-template <typename S>
-inline float load_as(S v) {
-  if constexpr (sizeof(S) == 2) return bf16_to_f32(v); else return v;
-}
-
-// ---- RoPE ----------------------------------------------------------------------------------------------------
-
-// One head: optional RMSNorm, then x * cos + rotate_half(x) * sin (sin signed), into out [head_dim]. `scratch`
-// [head_dim] holds the normed head. Two loops (the halves swap) instead of an index modulo: they vectorize.
-void rotate_head(const float* x, int64_t hd, const float* cos, const float* sin, const float* norm, float eps,
-                 float* scratch, float* out) {
-  if (norm != nullptr) {
-    const float inv = row_inv_rms(x, hd, eps);
-    for (int64_t i = 0; i < hd; ++i) scratch[i] = x[i] * inv * norm[i];
-    x = scratch;
-  }
-  const int64_t half = hd / 2;
-  for (int64_t i = 0; i < half; ++i) out[i] = std::fma(x[i + half], sin[i], x[i] * cos[i]);
-  for (int64_t i = half; i < hd; ++i) out[i] = std::fma(x[i - half], sin[i], x[i] * cos[i]);
-}
-
-template <typename S>
-void rope_store_impl(const RopeArgs& a, const CacheView& c) {
-  const int64_t hd = c.head_dim, kvh = c.kv_heads, P = c.page_size;
-  const int64_t parts = a.t >= 16 ? omp_get_max_threads() : 1;
-#pragma omp parallel num_threads(parts)
-  {
-    AlignedBuffer<float> buffer;
-    buffer.resize(2 * hd);
-    float* scratch = buffer.data();
-    float* k = buffer.data() + hd;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < a.t; ++t) {
-      const float* row = a.qkv + t * a.qkv_stride;
-      const float* cos = a.cos + a.positions[t] * hd;
-      const float* sin = a.sin + a.positions[t] * hd;
-      for (int64_t h = 0; h < a.heads; ++h) {
-        rotate_head(row + h * hd, hd, cos, sin, a.q_norm, a.eps, scratch, a.q_out + (t * a.heads + h) * hd);
-      }
-      const int64_t page = a.slots[t] / P, off = a.slots[t] % P;
-      for (int64_t h = 0; h < kvh; ++h) {
-        rotate_head(row + (a.heads + h) * hd, hd, cos, sin, a.k_norm, a.eps, scratch, k);
-        S* kb = key_block<S>(c, page, h);
-        for (int64_t i = 0; i < hd; ++i) kb[i * P + off] = store_as<S>(k[i]);
-        const float* v = row + (a.heads + kvh + h) * hd;
-        S* vb = value_block<S>(c, page, h) + off * hd;
-        for (int64_t i = 0; i < hd; ++i) vb[i] = store_as<S>(v[i]);
-      }
-    }
-  }
-}
+using namespace attention_detail;
 
 // ---- attention of one query group (the query heads sharing one kv head) -------------------------------------
-
-constexpr int kMaxGroup = 8;  // query heads per kv head handled in registers
 
 // scores[g][ctx] = scale * q_g . k_j for j < ctx (16 keys at a time; dims even/odd in two sums).
 template <typename S>
@@ -112,50 +39,7 @@ void scores_generic(const float* const* q, int groups, const CacheView& c, const
   }
 }
 
-float softmax_weights(float* s, int64_t ctx);
-
 #if LMRPC_AVX512
-template <typename S>
-inline __m512 load16(const S* p) {
-  if constexpr (sizeof(S) == 2) return load_bf16x16(p); else return _mm512_loadu_ps(p);
-}
-
-// scores[g][j] = scale * q_g . k_j for keys j in [k0, k1), k0 a multiple of 16 (16 keys at a time, dims even/odd in
-// two sums): the same operations for a key whichever range it is computed in. `next`, when not null, is the block
-// this head reads next (the sequence's next key page, or after the last its first value page), asked into L2 a line
-// per step of the last 16 keys: a sequence's pages lie anywhere in the pool, where the hardware prefetchers, which
-// follow runs of addresses, cannot guess the next one. Measured here, 30 layers of 32 decode queries over ~192 keys
-// (medians of 30 passes, the variants interleaved in one run): pages shuffled, 12.3 ms without, 10.4 into L1 (T0),
-// 7.2 into L2 (T1); pages in order, 6.4, 6.5 and 5.9. Into L1 they hold the miss buffers the loads need. Fetching
-// the first value page too: 6.3 against 6.5 shuffled, 5.5 against 5.7 in order. A prefetch reads nothing into a
-// result.
-template <typename S, int G>
-void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t k0,
-                   int64_t k1, float scale, float* scores, int64_t stride, const char* next) {
-  const int64_t hd = c.head_dim, P = c.page_size;
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t base = k0; base < k1; base += 16) {
-    const S* kb = key_block<S>(c, pages[base / P], kvh) + base % P;
-    const char* ahead = k1 - base <= 16 ? next : nullptr;  // the last 16 keys of the page
-    __m512 acc[G][2];
-    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < hd; d += 2) {
-      if (ahead != nullptr) _mm_prefetch(ahead + d * P * sizeof(S), _MM_HINT_T1);
-      const __m512 k0v = load16<S>(kb + d * P), k1v = load16<S>(kb + (d + 1) * P);
-      for (int g = 0; g < G; ++g) {
-        acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d]), k0v, acc[g][0]);
-        acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][d + 1]), k1v, acc[g][1]);
-      }
-    }
-    const int64_t n = std::min<int64_t>(16, k1 - base);
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    for (int g = 0; g < G; ++g) {
-      _mm512_mask_storeu_ps(scores + g * stride + base, mask,
-                            _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), vscale));
-    }
-  }
-}
-
 // sums[g][:] += w[g][j] v_j for keys j in [k0, k1) in order; NV vectors of 16 per head. The running sums pass
 // through memory between ranges unchanged, so splitting the keys into ranges changes no bit. `next`: the value block
 // read next, asked into L2 a key's row per key (as scores_avx512 does).
@@ -274,40 +158,6 @@ bool dispatch_query(int groups, const float* const* q, int64_t h0, int64_t h1, c
 }
 #endif
 
-// scores row [ctx] -> weights exp(s - max) in place; returns their sum (16 lanes, added pairwise).
-float softmax_weights(float* s, int64_t ctx) {
-  float mx = s[0];
-  for (int64_t j = 1; j < ctx; ++j) mx = std::max(mx, s[j]);
-#if LMRPC_AVX512
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 sum = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= ctx; j += 16) {
-    const __m512 e = exp_vec(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx));
-    _mm512_storeu_ps(s + j, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  if (j < ctx) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (ctx - j)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp_vec(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), vmx)));
-    _mm512_mask_storeu_ps(s + j, mask, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return reduce_add(sum);
-#elif LMRPC_AVX2
-  float lanes[16];
-  attention_avx2::exp_lanes(s, ctx, mx, lanes);
-  return reduce_add16(lanes);
-#else
-  float lanes[16] = {0};
-  for (int64_t j = 0; j < ctx; ++j) {
-    s[j] = exp_scalar(s[j] - mx);
-    lanes[j % 16] += s[j];
-  }
-  return reduce_add16(lanes);
-#endif
-}
-
 // out[g][:] = sum_j w[g][j] v_j * (1 / total[g]), keys in order.
 template <typename S>
 void weighted_values(const float* w, int groups, int64_t stride, const float* totals, const CacheView& c,
@@ -334,10 +184,13 @@ void attention_impl(const AttentionArgs& a, const CacheView& c) {
   // numbers come from the same operations in the same order.
   const int64_t span = a.t >= 4 * threads ? kvh : 1;
   // Few items (a decode step of one or two sequences: 3 kv heads on 2 threads left one waiting a third of the
-  // time): each kv head's query heads are split into `splits` parts too, one item each.
+  // time): each kv head's query heads are split into `splits` parts too, one item each (each reading the head's keys
+  // and values).
   const int64_t few = a.t * (kvh / span);
   const int splits = span == 1 && few < 4 * threads
                          ? static_cast<int>(std::min<int64_t>(groups, (4 * threads + few - 1) / few)) : 1;
+  // On AVX512 the threads share each kv head instead, so its keys and values are read once, not once per split.
+  if (false && splits > 1 && attention_few(a, c, groups, static_cast<int>(threads))) return;
   const int64_t per_query = kvh / span * splits;
   const int64_t items = a.t * per_query;
   const int64_t parts = std::min<int64_t>(threads, items);
@@ -381,10 +234,6 @@ void attention_impl(const AttentionArgs& a, const CacheView& c) {
 }
 
 }  // namespace
-
-void rope_store(const RopeArgs& a, const CacheView& cache) {
-  if (cache.bf16) rope_store_impl<uint16_t>(a, cache); else rope_store_impl<float>(a, cache);
-}
 
 void paged_attention(const AttentionArgs& a, const CacheView& cache) {
   if (a.t == 0) return;
