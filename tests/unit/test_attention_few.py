@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_native_kernels import naive, rope
+from test_native_kernels import attention_rows, naive, rope
 
-from lmrpc.kernels.native_attention import NativeAttention
-from lmrpc.kernels.paged import AttentionShape, ChunkSpec
-
-PAGE = 16
+from lmrpc.kernels.paged import AttentionShape
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -30,16 +27,7 @@ def test_decoding_few_queries_gives_the_prefill_bits(dtype: torch.dtype, heads: 
     tables = [pages[:19], pages[19:31]]
 
     def run(steps: list[list[tuple[int, int, int]]]) -> dict[tuple[int, int], torch.Tensor]:
-        backend = NativeAttention(shape, rot, dtype, num_pages=48, page_size=PAGE)
-        rows: dict[tuple[int, int], torch.Tensor] = {}
-        for step in steps:
-            chunks = [ChunkSpec(start, count, tables[i]) for i, start, count in step]
-            positions = torch.cat([torch.arange(start, start + count) for _, start, count in step])
-            qkv = torch.cat([seqs[i][start : start + count] for i, start, count in step])
-            out = backend(0, qkv, backend.plan(chunks, positions), None)
-            flat = [(i, p) for i, start, count in step for p in range(start, start + count)]
-            rows.update({key: out[j] for j, key in enumerate(flat)})
-        return rows
+        return attention_rows(shape, rot, dtype, seqs, tables, steps, None, num_pages=48)
 
     together = run([[(0, 0, 300), (1, 0, 177)]])
     alone = run([[(0, 0, 200)]] + [[(0, p, 1)] for p in range(200, 300)])

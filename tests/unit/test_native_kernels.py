@@ -262,6 +262,23 @@ def naive(qkv: torch.Tensor, positions: torch.Tensor, rot: Rope, norm: QKNorm | 
     return out.transpose(0, 1).reshape(t, -1)
 
 
+def attention_rows(shape: AttentionShape, rot: Rope, dtype: torch.dtype, seqs: list[torch.Tensor],
+                   tables: list[list[int]], steps: list[list[tuple[int, int, int]]], norm: QKNorm | None,
+                   num_pages: int) -> dict[tuple[int, int], torch.Tensor]:
+    """A fresh cache of 16-token pages run through steps of chunks (sequence, start, count), in order: the output row of
+    each (sequence, position). seqs [i]: sequence i's qkv rows; tables [i]: its pages."""
+    backend = NativeAttention(shape, rot, dtype, num_pages=num_pages, page_size=16)
+    rows: dict[tuple[int, int], torch.Tensor] = {}
+    for step in steps:
+        chunks = [ChunkSpec(start, count, tables[i]) for i, start, count in step]
+        positions = torch.cat([torch.arange(start, start + count) for _, start, count in step])
+        qkv = torch.cat([seqs[i][start : start + count] for i, start, count in step])
+        out = backend(0, qkv, backend.plan(chunks, positions), norm)
+        flat = [(i, p) for i, start, count in step for p in range(start, start + count)]
+        rows.update({key: out[j] for j, key in enumerate(flat)})
+    return rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_attention_equals_naive_and_ignores_how_queries_are_grouped(dtype: torch.dtype, qk_norm: bool) -> None:
@@ -273,18 +290,8 @@ def test_attention_equals_naive_and_ignores_how_queries_are_grouped(dtype: torch
     pages = torch.randperm(64, generator=g).tolist()
     tables = [pages[8 * i : 8 * i + 8] for i in range(len(lengths))]  # scrambled, non-contiguous page tables
 
-    def run(groups: list[list[tuple[int, int, int]]]) -> dict[tuple[int, int], torch.Tensor]:
-        """Steps of chunks (sequence, start, count) in order; the output row of each (sequence, position)."""
-        backend = NativeAttention(SHAPE, rot, dtype, num_pages=64, page_size=16)
-        rows: dict[tuple[int, int], torch.Tensor] = {}
-        for step in groups:
-            chunks = [ChunkSpec(start, count, tables[i]) for i, start, count in step]
-            positions = torch.cat([torch.arange(start, start + count) for _, start, count in step])
-            qkv = torch.cat([seqs[i][start : start + count] for i, start, count in step])
-            out = backend(0, qkv, backend.plan(chunks, positions), norm)
-            flat = [(i, p) for i, start, count in step for p in range(start, start + count)]
-            rows.update({key: out[j] for j, key in enumerate(flat)})
-        return rows
+    def run(steps: list[list[tuple[int, int, int]]]) -> dict[tuple[int, int], torch.Tensor]:
+        return attention_rows(SHAPE, rot, dtype, seqs, tables, steps, norm, num_pages=64)
 
     # One prefill step with every whole sequence; then each sequence alone, token by token (as decodes).
     together = run([[(i, 0, n) for i, n in enumerate(lengths)]])
