@@ -119,6 +119,32 @@ void scores_avx512(const float* const* q, const CacheView& c, const int32_t* pag
     }
   }
 }
+
+// sums[g][:] += w[g][j] v_j for keys j in [k0, k1) in order; NV vectors of 16 per head from vector i0 (a slice of
+// head_dim; 0 and all of it in attention.cpp). The running sums pass through memory between ranges unchanged, so
+// splitting the keys into ranges, or the dims into slices, changes no bit. `next`: the value block read next, asked
+// into L2 a key's row per key (as scores_avx512 does).
+template <typename S, int G, int NV>
+void values_avx512(const float* w, int64_t stride, const CacheView& c, const int32_t* pages, int64_t kvh, int64_t k0,
+                   int64_t k1, float* sums, const char* next, int64_t i0 = 0) {
+  const int64_t hd = c.head_dim, P = c.page_size;
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_loadu_ps(sums + g * hd + 16 * (i0 + i));
+  for (int64_t j = k0; j < k1; ++j) {
+    const S* v = value_block<S>(c, pages[j / P], kvh) + (j % P) * hd;
+    if (next != nullptr) {
+      const char* row = next + (j - k0) * hd * static_cast<int64_t>(sizeof(S));
+      for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(S)); b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+    }
+    for (int i = 0; i < NV; ++i) {
+      const __m512 vi = load16<S>(v + 16 * (i0 + i));
+      for (int g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * stride + j]), vi, acc[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(sums + g * hd + 16 * (i0 + i), acc[g][i]);
+}
 #endif
 
 }  // namespace lmrpc::attention_detail

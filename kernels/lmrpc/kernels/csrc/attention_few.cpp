@@ -28,38 +28,32 @@ struct ScoreLayout {
   std::vector<int64_t> stride;  // [t] keys rounded up to 16
 };
 
-// out[g][16 i0 ... 16 (i0 + NV)) = (1 / total[g]) * sum_j w[g][j] v_j over those dims, keys in order: each lane as
-// values_avx512 and query_paged's scaling compute it. The next page's slice of each value row is asked into L2 as
-// its keys are read (as values_avx512 does for whole rows).
+// out[g][16 i0 ... 16 (i0 + NV)) = (1 / total[g]) * sum_j w[g][j] v_j over those dims, keys in order, page by page
+// (values_avx512 over the slice, then query_paged's scaling).
 template <typename S, int G, int NV>
 void value_slice(const float* w, int64_t stride, const float* totals, const CacheView& c, const int32_t* pages,
                  int64_t kvh, int64_t ctx, int64_t i0, float* const* out) {
   const int64_t hd = c.head_dim, P = c.page_size, n = (ctx + P - 1) / P;
-  __m512 acc[G][NV];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+  alignas(64) float sums[kMaxGroup * 128];  // [G][hd]: this slice's lanes only are used
+  for (int g = 0; g < G; ++g) std::fill(sums + g * hd + 16 * i0, sums + g * hd + 16 * (i0 + NV), 0.0f);
   for (int64_t p = 0; p < n; ++p) {
-    const S* block = value_block<S>(c, pages[p], kvh) + 16 * i0;
-    const char* next = p + 1 < n ? block_bytes(value_block<S>(c, pages[p + 1], kvh) + 16 * i0) : nullptr;
-    for (int64_t j = p * P, k1 = std::min(ctx, j + P); j < k1; ++j) {
-      const S* v = block + (j % P) * hd;
-      if (next != nullptr) _mm_prefetch(next + (j % P) * hd * static_cast<int64_t>(sizeof(S)), _MM_HINT_T1);
-      for (int i = 0; i < NV; ++i) {
-        const __m512 vi = load16<S>(v + 16 * i);
-        for (int g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * stride + j]), vi, acc[g][i]);
-      }
-    }
+    const char* next = p + 1 < n ? block_bytes(value_block<S>(c, pages[p + 1], kvh)) : nullptr;
+    values_avx512<S, G, NV>(w, stride, c, pages, kvh, p * P, std::min(ctx, (p + 1) * P), sums, next, i0);
   }
   for (int g = 0; g < G; ++g) {
     const __m512 vinv = _mm512_set1_ps(1.0f / totals[g]);
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out[g] + 16 * (i0 + i), _mm512_mul_ps(acc[g][i], vinv));
+    for (int i = 0; i < NV; ++i) {
+      const int64_t at = 16 * (i0 + i);
+      _mm512_storeu_ps(out[g] + at, _mm512_mul_ps(_mm512_loadu_ps(sums + g * hd + at), vinv));
+    }
   }
 }
 
 template <typename S, int G>
 void few(const AttentionArgs& a, const CacheView& c, int threads) {
   const int64_t kvh = c.kv_heads, hd = c.head_dim, P = c.page_size, heads = a.heads;
-  thread_local ScoreLayout layout;  // the calling thread's, reused from layer to layer
+  // The calling thread's, reused from layer to layer; the team reads them through lay, sc and tot below.
+  thread_local ScoreLayout layout;
   thread_local std::vector<float> scores, totals;
   layout.at.assign(a.t + 1, 0);
   layout.stride.resize(a.t);
