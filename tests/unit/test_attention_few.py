@@ -9,7 +9,26 @@ import pytest
 import torch
 from test_native_kernels import attention_rows, naive, rope
 
+from lmrpc.kernels import native
 from lmrpc.kernels.paged import AttentionShape
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(16, 2, 128), (9, 3, 64), (4, 2, 64)])
+def test_few_decode_queries_take_the_shared_heads_route(heads: int, kv_heads: int, head_dim: int, bf16: bool) -> None:
+    """The decode steps below (one or two sequences) run attention_few.cpp on an AVX512 build with two threads or
+    more, and a prefill step the query-at-a-time route: so the bitwise test compares the two routes, not one with
+    itself (a route switched off would pass it)."""
+    k = native.load()
+    threads = torch.get_num_threads()
+    few = "few_queries" if k.native_bf16() and threads >= 2 else "queries"
+    for t in (1, 2):
+        assert k.attention_route(t, heads, kv_heads, head_dim, bf16, threads) == few
+    assert k.attention_route(300, heads, kv_heads, head_dim, bf16, threads) == "queries"
+    assert k.attention_route(1, heads, heads, head_dim, bf16, 2) == "queries"  # one query head a kv head: no split
+    assert k.attention_route(1, heads, kv_heads, 96, bf16, 2) == "queries"  # no few-query kernel for that width
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -149,23 +149,37 @@ void weighted_values(const float* w, int groups, int64_t stride, const float* to
   }
 }
 
+// How a step's queries are shared out as work items: each item is one query over `span` kv heads and one of `splits`
+// parts of their query heads.
+struct Items {
+  int64_t span;
+  int splits;
+};
+
+Items items_of(int64_t t, int64_t kvh, int groups, int64_t threads) {
+  // A work item is one query over `span` kv heads: all of them when there are queries enough to share out (a
+  // contiguous read per page), else one (a single decode query still uses every thread). Either way each head's
+  // numbers come from the same operations in the same order.
+  const int64_t span = t >= 4 * threads ? kvh : 1;
+  // Few items (a decode step of one or two sequences: 3 kv heads on 2 threads left one waiting a third of the
+  // time): each kv head's query heads are split into `splits` parts too, one item each (each reading the head's keys
+  // and values).
+  const int64_t few = t * (kvh / span);
+  const int splits = span == 1 && few < 4 * threads
+                         ? static_cast<int>(std::min<int64_t>(groups, (4 * threads + few - 1) / few)) : 1;
+  return {span, splits};
+}
+
 template <typename S>
 void attention_impl(const AttentionArgs& a, const CacheView& c) {
   const int64_t kvh = c.kv_heads, hd = c.head_dim;
   const int groups = static_cast<int>(a.heads / kvh);
   const int64_t threads = omp_get_max_threads();
-  // A work item is one query over `span` kv heads: all of them when there are queries enough to share out (a
-  // contiguous read per page), else one (a single decode query still uses every thread). Either way each head's
-  // numbers come from the same operations in the same order.
-  const int64_t span = a.t >= 4 * threads ? kvh : 1;
-  // Few items (a decode step of one or two sequences: 3 kv heads on 2 threads left one waiting a third of the
-  // time): each kv head's query heads are split into `splits` parts too, one item each (each reading the head's keys
-  // and values).
-  const int64_t few = a.t * (kvh / span);
-  const int splits = span == 1 && few < 4 * threads
-                         ? static_cast<int>(std::min<int64_t>(groups, (4 * threads + few - 1) / few)) : 1;
-  // On AVX512 the threads share each kv head instead, so its keys and values are read once, not once per split.
-  if (false && splits > 1 && attention_few(a, c, groups, static_cast<int>(threads))) return;
+  if (attention_route(a.t, a.heads, c, threads) == AttentionRoute::kFewQueries) {
+    attention_few(a, c, groups, static_cast<int>(threads));
+    return;
+  }
+  const auto [span, splits] = items_of(a.t, kvh, groups, threads);
   const int64_t per_query = kvh / span * splits;
   const int64_t items = a.t * per_query;
   const int64_t parts = std::min<int64_t>(threads, items);
@@ -209,6 +223,15 @@ void attention_impl(const AttentionArgs& a, const CacheView& c) {
 }
 
 }  // namespace
+
+AttentionRoute attention_route(int64_t t, int64_t heads, const CacheView& cache, int64_t threads) {
+  const int groups = static_cast<int>(heads / cache.kv_heads);
+  // Where query heads would be split between items, on AVX512 the threads share each kv head instead, so its keys
+  // and values are read once, not once per split.
+  const bool split = items_of(t, cache.kv_heads, groups, threads).splits > 1;
+  return split && attention_few_has_kernel(cache, groups, static_cast<int>(threads)) ? AttentionRoute::kFewQueries
+                                                                                      : AttentionRoute::kQueries;
+}
 
 void paged_attention(const AttentionArgs& a, const CacheView& cache) {
   if (a.t == 0) return;

@@ -52,4 +52,10 @@ struct AttentionArgs {
 // Causal attention of every query over its sequence's cached keys and values.
 void paged_attention(const AttentionArgs& a, const CacheView& cache);
 
+// The route paged_attention takes for t queries of `heads` query heads on `threads` threads: items of one query each
+// (attention.cpp), or few queries with the threads sharing each kv head (attention_few.cpp). The one decision
+// paged_attention follows; tests ask it, so a route they cover cannot fall out of use unnoticed.
+enum class AttentionRoute { kQueries, kFewQueries };
+AttentionRoute attention_route(int64_t t, int64_t heads, const CacheView& cache, int64_t threads);
+
 }  // namespace lmrpc

@@ -74,9 +74,10 @@ inline float softmax_weights(float* s, int64_t ctx) {
 }
 
 // Few queries on AVX512 (attention_few.cpp): every query of the step, the threads sharing each kv head's keys and
-// values; the same bits as a query at a time. False where it has no kernel (another build, head width or group size):
-// then the caller computes the step.
-bool attention_few(const AttentionArgs& a, const CacheView& c, int groups, int threads);
+// values; the same bits as a query at a time. Only where attention_few_has_kernel (this build, the head width and
+// the group size).
+bool attention_few_has_kernel(const CacheView& c, int groups, int threads);
+void attention_few(const AttentionArgs& a, const CacheView& c, int groups, int threads);
 
 #if LMRPC_AVX512
 template <typename S>

@@ -8,6 +8,7 @@
 // the same operations as in attention.cpp (a key's score is the same whichever run computes it; a lane of the value
 // sums takes the keys in order whichever slice it is in), so a query gives the same bits here as there.
 #include <algorithm>
+#include <cassert>
 #include <cstdint>
 #include <vector>
 
@@ -109,29 +110,36 @@ void few(const AttentionArgs& a, const CacheView& c, int threads) {
 }
 
 template <typename S>
-bool dispatch_few(const AttentionArgs& a, const CacheView& c, int groups, int threads) {
+void dispatch_few(const AttentionArgs& a, const CacheView& c, int groups, int threads) {
   switch (groups) {
-    case 2: few<S, 2>(a, c, threads); return true;
-    case 3: few<S, 3>(a, c, threads); return true;
-    case 4: few<S, 4>(a, c, threads); return true;
-    case 5: few<S, 5>(a, c, threads); return true;
-    case 6: few<S, 6>(a, c, threads); return true;
-    case 7: few<S, 7>(a, c, threads); return true;
-    case 8: few<S, 8>(a, c, threads); return true;
-    default: return false;
+    case 2: return few<S, 2>(a, c, threads);
+    case 3: return few<S, 3>(a, c, threads);
+    case 4: return few<S, 4>(a, c, threads);
+    case 5: return few<S, 5>(a, c, threads);
+    case 6: return few<S, 6>(a, c, threads);
+    case 7: return few<S, 7>(a, c, threads);
+    case 8: return few<S, 8>(a, c, threads);
   }
 }
 
 }  // namespace
 #endif
 
-bool attention_few(const AttentionArgs& a, const CacheView& c, int groups, int threads) {
+bool attention_few_has_kernel(const CacheView& c, int groups, int threads) {
 #if LMRPC_AVX512
-  if ((c.head_dim != 64 && c.head_dim != 128) || threads < 2) return false;
-  return c.bf16 ? dispatch_few<uint16_t>(a, c, groups, threads) : dispatch_few<float>(a, c, groups, threads);
+  return (c.head_dim == 64 || c.head_dim == 128) && threads >= 2 && groups >= 2 && groups <= kMaxGroup;
 #else
-  (void)a, (void)c, (void)groups, (void)threads;
+  (void)c, (void)groups, (void)threads;
   return false;
+#endif
+}
+
+void attention_few(const AttentionArgs& a, const CacheView& c, int groups, int threads) {
+  assert(attention_few_has_kernel(c, groups, threads));
+#if LMRPC_AVX512
+  if (c.bf16) dispatch_few<uint16_t>(a, c, groups, threads); else dispatch_few<float>(a, c, groups, threads);
+#else
+  (void)a;
 #endif
 }
 

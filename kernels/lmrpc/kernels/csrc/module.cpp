@@ -64,4 +64,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("keys"), py::arg("values"),
         py::arg("block_table"), py::arg("token_seq"), py::arg("token_ctx"), py::arg("scale"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("attention_route", &attention_route, py::arg("t"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+        py::arg("bf16"), py::arg("threads"));
 }

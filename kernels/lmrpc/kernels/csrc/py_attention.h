@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 
 #include "attention.h"
 #include "py_linear.h"
@@ -99,5 +100,15 @@ inline void paged_attention(const at::Tensor& q, const at::Tensor& keys, const a
   lmrpc::paged_attention(a, c);
 }
 
+// "few_queries" or "queries": the route paged_attention takes for t queries over a cache of this shape, on `threads`
+// threads (the tests' check that the route they cover is the one taken).
+inline std::string attention_route(int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim, bool bf16,
+                                   int64_t threads) {
+  TORCH_CHECK(t >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && head_dim >= 1 && threads >= 1,
+              "attention_route: t, kv_heads, head_dim, threads >= 1 and heads a multiple of kv_heads");
+  const lmrpc::CacheView c{nullptr, nullptr, bf16, kv_heads, head_dim, 16};
+  return lmrpc::attention_route(t, heads, c, threads) == lmrpc::AttentionRoute::kFewQueries ? "few_queries"
+                                                                                             : "queries";
+}
 
 }  // namespace lmrpc_py
