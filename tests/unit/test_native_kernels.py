@@ -6,6 +6,7 @@ and paged attention against naive attention and invariant to how queries are bat
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -70,6 +71,16 @@ def test_the_build_key_reads_every_source_file() -> None:
     # A file the kernels' build key does not read could change without a rebuild: a stale module served old code.
     assert set(native.SOURCES) == {p.name for p in native.CSRC.glob("*.cpp")}
     assert set(native.HEADERS) == {p.name for p in native.CSRC.glob("*.h")}
+
+
+def test_no_route_is_switched_off_in_the_sources() -> None:
+    # An A/B's old build left `if (false && ...)` in attention.cpp for two sessions: the route it guarded never ran
+    # and its bitwise test compared the other route with itself. Conditions fixed by a literal have no place here.
+    switched = re.compile(r"\bfalse\s*&&|&&\s*false\b|\btrue\s*\|\||\|\|\s*true\b"
+                          r"|#\s*if\s+[01]\b|\bif\s*\(\s*[01]\s*\)")
+    found = [f"{p.name}:{i}: {line.strip()}" for p in sorted(native.CSRC.iterdir()) if p.suffix in (".cpp", ".h")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if switched.search(line)]
+    assert not found, found
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
