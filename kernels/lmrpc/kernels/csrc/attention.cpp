@@ -170,16 +170,24 @@ Items items_of(int64_t t, int64_t kvh, int groups, int64_t threads) {
   return {span, splits};
 }
 
+// The route for those items: where query heads would be split between items, on AVX512 the threads share each kv
+// head instead, so its keys and values are read once, not once per split.
+AttentionRoute route_of(const Items& items, const CacheView& c, int groups, int64_t threads) {
+  return items.splits > 1 && attention_few_has_kernel(c, groups, static_cast<int>(threads))
+             ? AttentionRoute::kFewQueries : AttentionRoute::kQueries;
+}
+
 template <typename S>
 void attention_impl(const AttentionArgs& a, const CacheView& c) {
   const int64_t kvh = c.kv_heads, hd = c.head_dim;
   const int groups = static_cast<int>(a.heads / kvh);
   const int64_t threads = omp_get_max_threads();
-  if (attention_route(a.t, a.heads, c, threads) == AttentionRoute::kFewQueries) {
+  const Items shared = items_of(a.t, kvh, groups, threads);
+  if (route_of(shared, c, groups, threads) == AttentionRoute::kFewQueries) {
     attention_few(a, c, groups, static_cast<int>(threads));
     return;
   }
-  const auto [span, splits] = items_of(a.t, kvh, groups, threads);
+  const auto [span, splits] = shared;
   const int64_t per_query = kvh / span * splits;
   const int64_t items = a.t * per_query;
   const int64_t parts = std::min<int64_t>(threads, items);
@@ -226,11 +234,7 @@ void attention_impl(const AttentionArgs& a, const CacheView& c) {
 
 AttentionRoute attention_route(int64_t t, int64_t heads, const CacheView& cache, int64_t threads) {
   const int groups = static_cast<int>(heads / cache.kv_heads);
-  // Where query heads would be split between items, on AVX512 the threads share each kv head instead, so its keys
-  // and values are read once, not once per split.
-  const bool split = items_of(t, cache.kv_heads, groups, threads).splits > 1;
-  return split && attention_few_has_kernel(cache, groups, static_cast<int>(threads)) ? AttentionRoute::kFewQueries
-                                                                                      : AttentionRoute::kQueries;
+  return route_of(items_of(t, cache.kv_heads, groups, threads), cache, groups, threads);
 }
 
 void paged_attention(const AttentionArgs& a, const CacheView& cache) {
