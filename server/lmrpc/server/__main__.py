@@ -34,9 +34,11 @@ from lmrpc.server.engine.grammar_limits import (
     GrammarLimits,
 )
 from lmrpc.server.memory import InsufficientMemoryError
+from lmrpc.server.models.types import ModelLoadError
 from lmrpc.server.telemetry import LOG_FORMATS, configure_logging
 
 EXIT_NO_MEMORY = 3  # the memory limit cannot hold the model and a minimal KV cache (2 is a flag error)
+EXIT_BAD_MODEL = 4  # --model names no model, or one that cannot be served (models.types.ModelLoadError)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -335,6 +337,10 @@ def main(argv: list[str] | None = None) -> None:
         # Said plainly and at once, rather than loading on until the kernel's OOM killer ends the process unexplained.
         print(f"lmrpc-server: error: not enough memory: {e}", file=sys.stderr)
         raise SystemExit(EXIT_NO_MEMORY) from None
+    except ModelLoadError as e:
+        # The user's file (or path) is at fault: its message says which and where; a traceback would bury it.
+        print(f"lmrpc-server: error: cannot serve the model: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_MODEL) from None
 
 
 if __name__ == "__main__":

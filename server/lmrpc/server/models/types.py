@@ -1,12 +1,24 @@
 """What a model takes in and hands up besides tensors: the model's description (`ModelInfo`, `ExpertsInfo`) and a
-prompt's images and audio as the model's processor placed them (`PromptMedia`, `MediaSpan`, `RopePositions`). No torch,
-no protobuf: the engine's types (`engine/types.py`) carry these, and the torch-free scheduler imports them."""
+prompt's images and audio as the model's processor placed them (`PromptMedia`, `MediaSpan`, `RopePositions`); and the
+errors of a `--model` that cannot be served (`ModelLoadError`). No torch, no protobuf: the engine's types
+(`engine/types.py`) carry these, and the torch-free scheduler imports them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+
+class ModelLoadError(ValueError):
+    """The model the server was started with cannot be served: its file is not a GGUF file, or is cut short or
+    malformed, or names an architecture or a quantization with no implementation here. The message says which and
+    where; `lmrpc-server` prints it and exits 4 (no traceback: the user's file is at fault, not the server)."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """`--model` names no model: a path that does not exist, a directory without an HF config, no weights in it, or
+    the default model's package not installed."""
 
 
 @dataclass(frozen=True, eq=False)  # identity-compared: encoder_input holds arrays, which have no plain ==

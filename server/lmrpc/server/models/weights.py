@@ -23,6 +23,7 @@ from safetensors import safe_open
 from lmrpc.kernels import gguf_blocks, packing
 from lmrpc.kernels.packing import PackedWeight
 from lmrpc.server.models.gguf_file import GGUFFile, GGUFTensor
+from lmrpc.server.models.types import ModelLoadError, ModelNotFoundError
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class SafetensorsWeights:
                 for key in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
                     self._files[key] = file
         if not self._files:
-            raise FileNotFoundError(f"no .safetensors weights in {path}")
+            raise ModelNotFoundError(f"no .safetensors weights in {path}")
 
     def has(self, name: str) -> bool:
         return name in self._files
@@ -120,7 +121,7 @@ class GGUFWeights:
         self.arch = self._file.field_str("general.architecture")
         arch_ids = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
         if self.arch not in arch_ids:
-            raise ValueError(f"unknown GGUF architecture {self.arch!r}")
+            raise ModelLoadError(f"unknown GGUF architecture {self.arch!r}")
         blocks = self._file.field_int(f"{self.arch}.block_count")
         self._map = gguf.get_tensor_name_map(arch_ids[self.arch], blocks)
         self._tensors = self._file.tensors

@@ -1,0 +1,63 @@
+"""A --model that cannot be served stops lmrpc-server at start with one plain line naming the path and what is wrong,
+exit code 4, and no traceback (models.types.ModelLoadError; the user's file is at fault, not the server)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lmrpc.server.__main__ import EXIT_BAD_MODEL
+from lmrpc.server.models.gguf_file import GGUFFile
+from lmrpc.server.models.loader import default_gguf
+from lmrpc.server.models.types import ModelLoadError, ModelNotFoundError
+
+
+def _missing(tmp: Path) -> Path:
+    return tmp / "no-such-model.gguf"
+
+
+def _no_config(tmp: Path) -> Path:
+    (tmp / "model").mkdir()
+    return tmp / "model"
+
+
+def _not_gguf(tmp: Path) -> Path:
+    (tmp / "model.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    return tmp / "model.gguf"
+
+
+def _cut_short(tmp: Path) -> Path:
+    # The bundled file's header is whole in its first 3 MB; its first tensor, the embeddings, is not.
+    with open(default_gguf(), "rb") as f:
+        (tmp / "cut.gguf").write_bytes(f.read(3_000_000))
+    return tmp / "cut.gguf"
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (_missing, "--model must be an HF model directory or a .gguf file"),
+    (_no_config, "has no config.json"),
+    (_not_gguf, "not a GGUF file"),
+    (_cut_short, "tensor 'token_embd.weight' runs past the end of the file (truncated?)"),
+])
+def test_a_model_that_cannot_be_served_is_one_plain_line_and_exit_4(
+        tmp_path: Path, make: Callable[[Path], Path], says: str) -> None:
+    model = make(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "lmrpc.server", "--model", str(model), "--host", "127.0.0.1",
+                           "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == EXIT_BAD_MODEL == 4, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("lmrpc-server: error: cannot serve the model: ") and str(model) in last, last
+    assert says in last, last
+
+
+def test_model_errors_are_the_value_and_file_errors_callers_caught_before(tmp_path: Path) -> None:
+    path = _not_gguf(tmp_path)
+    with pytest.raises(ModelLoadError) as caught:
+        GGUFFile(path)
+    assert isinstance(caught.value, ValueError)
+    assert issubclass(ModelNotFoundError, ModelLoadError) and issubclass(ModelNotFoundError, FileNotFoundError)
