@@ -1,5 +1,6 @@
 """A --model that cannot be served stops lmrpc-server at start with one plain line naming the path and what is wrong,
-exit code 4, and no traceback (models.types.ModelLoadError; the user's file is at fault, not the server)."""
+exit code 4, and no traceback (models.types.ModelLoadError; the user's file is at fault, not the server): a path
+that names no model, a file that is not GGUF, cut short, or without a tensor the model needs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tiny_gguf import T as GGML
+from tiny_gguf import write_tiny_llama
 
 from lmrpc.server.__main__ import EXIT_BAD_MODEL
 from lmrpc.server.models.gguf_file import GGUFFile
@@ -37,11 +40,16 @@ def _cut_short(tmp: Path) -> Path:
     return tmp / "cut.gguf"
 
 
+def _holed(tmp: Path) -> Path:
+    return write_tiny_llama(tmp / "holed.gguf", GGML.Q4_0, leave_out=("blk.1.ffn_down.weight",))
+
+
 @pytest.mark.parametrize(("make", "says"), [
     (_missing, "--model must be an HF model directory or a .gguf file"),
     (_no_config, "has no config.json"),
     (_not_gguf, "not a GGUF file"),
     (_cut_short, "tensor 'token_embd.weight' runs past the end of the file (truncated?)"),
+    (_holed, "needs tensor 'model.layers.1.mlp.down_proj.weight' (blk.1.ffn_down.weight in the file's names)"),
 ])
 def test_a_model_that_cannot_be_served_is_one_plain_line_and_exit_4(
         tmp_path: Path, make: Callable[[Path], Path], says: str) -> None:

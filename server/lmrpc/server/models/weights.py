@@ -141,7 +141,10 @@ class GGUFWeights:
     def _raw(self, name: str) -> GGUFTensor:
         mapped = self._gguf_name(name)
         if mapped is None:
-            raise KeyError(f"{name} is not in the GGUF file")
+            base, _, suffix = name.rpartition(".")
+            wanted = self._map.get_name(base)
+            named = f" ({wanted}.{suffix} in the file's names)" if wanted else ""
+            raise ModelLoadError(f"{self._file.path}: the model needs tensor {name!r}{named}, which the file lacks")
         return self._tensors[mapped]
 
     def tensor(self, name: str) -> torch.Tensor:
