@@ -1,6 +1,7 @@
 """A --model that cannot be served stops lmrpc-server at start with one plain line naming the path and what is wrong,
 exit code 4, and no traceback (models.types.ModelLoadError; the user's file is at fault, not the server): a path
-that names no model, a file that is not GGUF, cut short, or without a tensor the model needs."""
+that names no model, a file that is not GGUF, cut short, without a tensor the model needs or with one of another shape
+than its header gives; and a model that loads but cannot generate (its warm-up fails: never SERVING)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from tiny_gguf import T as GGML
 from tiny_gguf import write_tiny_llama
 
 from lmrpc.server.__main__ import EXIT_BAD_MODEL
+from lmrpc.server.config import CacheConfig, EngineConfig, ModelConfig
+from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.models.gguf_file import GGUFFile
 from lmrpc.server.models.loader import default_gguf
 from lmrpc.server.models.types import ModelLoadError, ModelNotFoundError
@@ -44,12 +47,18 @@ def _holed(tmp: Path) -> Path:
     return write_tiny_llama(tmp / "holed.gguf", GGML.Q4_0, leave_out=("blk.1.ffn_down.weight",))
 
 
+def _wrong_shape(tmp: Path) -> Path:
+    return write_tiny_llama(tmp / "wrong.gguf", GGML.Q4_0, halve_rows=("blk.0.attn_q.weight",))
+
+
 @pytest.mark.parametrize(("make", "says"), [
-    (_missing, "--model must be an HF model directory or a .gguf file"),
-    (_no_config, "has no config.json"),
+    (_missing, "no such file or directory (--model takes an HF model directory or a .gguf file)"),
+    (_no_config, "no config.json (--model takes an HF model directory or a .gguf file)"),
     (_not_gguf, "not a GGUF file"),
     (_cut_short, "tensor 'token_embd.weight' runs past the end of the file (truncated?)"),
     (_holed, "needs tensor 'model.layers.1.mlp.down_proj.weight' (blk.1.ffn_down.weight in the file's names)"),
+    (_wrong_shape, "tensor 'model.layers.0.self_attn.q_proj.weight' is [128, 256] where the model's config makes it "
+                   "[256, 256]"),
 ])
 def test_a_model_that_cannot_be_served_is_one_plain_line_and_exit_4(
         tmp_path: Path, make: Callable[[Path], Path], says: str) -> None:
@@ -59,8 +68,8 @@ def test_a_model_that_cannot_be_served_is_one_plain_line_and_exit_4(
     assert done.returncode == EXIT_BAD_MODEL == 4, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("lmrpc-server: error: cannot serve the model: ") and str(model) in last, last
-    assert says in last, last
+    assert last.startswith(f"lmrpc-server: error: cannot serve {model}: ") and last.count(str(model)) == 1, last
+    assert says in last and "Traceback" not in done.stdout, last
 
 
 def test_model_errors_are_the_value_and_file_errors_callers_caught_before(tmp_path: Path) -> None:
@@ -69,3 +78,20 @@ def test_model_errors_are_the_value_and_file_errors_callers_caught_before(tmp_pa
         GGUFFile(path)
     assert isinstance(caught.value, ValueError)
     assert issubclass(ModelNotFoundError, ModelLoadError) and issubclass(ModelNotFoundError, FileNotFoundError)
+
+
+def test_a_model_whose_warm_up_fails_is_a_model_load_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = write_tiny_llama(tmp_path / "tiny.gguf", GGML.Q4_0)
+    engine = AsyncEngine.start(EngineConfig(model=ModelConfig(path=str(model), device="cpu"),
+                                            cache=CacheConfig(num_tokens=1024)))
+    try:
+        def broken(batch: object) -> object:
+            raise RuntimeError("no kernel for this shape")
+
+        monkeypatch.setattr(engine.engine.executor, "forward", broken)
+        with pytest.raises(ModelLoadError, match=r"warm-up generation failed: .*no kernel for this shape"):
+            engine.warmup()
+        monkeypatch.undo()
+        engine.warmup()  # the same engine, its forward whole again: no error
+    finally:
+        engine.shutdown()

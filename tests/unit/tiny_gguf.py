@@ -103,10 +103,10 @@ def _write(out: gguf.GGUFWriter, tensors: dict[str, tuple[np.ndarray, T]]) -> No
 
 
 def write_tiny_llama(path: Path, qtype: T, seed: int = 0, v_down: T | None = None,
-                     leave_out: tuple[str, ...] = ()) -> Path:
+                     leave_out: tuple[str, ...] = (), halve_rows: tuple[str, ...] = ()) -> Path:
     """A 2-layer random Llama (tied embeddings) with every matrix in `qtype` (the v and down projections in `v_down`
-    when given: Q4_K_M's mix is Q4_K with Q6_K there), norms in float32; the tensors named in `leave_out` left out (a
-    broken file)."""
+    when given: Q4_K_M's mix is Q4_K with Q6_K there), norms in float32. Broken files: the tensors named in
+    `leave_out` left out, those in `halve_rows` with half their rows (disagreeing with the header's sizes)."""
     rng = np.random.default_rng(seed)
     c = TINY
     head_dim = c["hidden"] // c["heads"]
@@ -139,6 +139,9 @@ def write_tiny_llama(path: Path, qtype: T, seed: int = 0, v_down: T | None = Non
             f"blk.{i}.ffn_gate.weight": matrix(f, h), f"blk.{i}.ffn_up.weight": matrix(f, h),
             f"blk.{i}.ffn_down.weight": matrix(h, f, v_down or qtype),
         }
+    for name in halve_rows:
+        data, fmt = tensors[name]
+        tensors[name] = data[: data.shape[0] // 2], fmt
     _write(out, {name: t for name, t in tensors.items() if name not in leave_out})
     return path
 

@@ -338,8 +338,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"lmrpc-server: error: not enough memory: {e}", file=sys.stderr)
         raise SystemExit(EXIT_NO_MEMORY) from None
     except ModelLoadError as e:
-        # The user's file (or path) is at fault: its message says which and where; a traceback would bury it.
-        print(f"lmrpc-server: error: cannot serve the model: {e}", file=sys.stderr)
+        # The user's file (or path) is at fault: the message says which and what; a traceback would bury it.
+        model = str(args.model) if args.model else "the default model"
+        print(f"lmrpc-server: error: cannot serve {model}: {str(e).removeprefix(model + ': ')}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_MODEL) from None
 
 

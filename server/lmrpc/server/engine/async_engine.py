@@ -21,13 +21,13 @@ from lmrpc.server.engine.engine import Engine, EngineUnavailable
 from lmrpc.server.engine.grammar import GrammarBackend
 from lmrpc.server.engine.kv_cache import CacheListener
 from lmrpc.server.engine.live import OutputFlow, _Abort, _Add, _Call, _Stop, _Wake
-from lmrpc.server.engine.types import Constraint, EngineOutput, EngineRequest, EngineStats
+from lmrpc.server.engine.types import Constraint, EngineOutput, EngineRequest, EngineStats, Finish, FinishReason
 from lmrpc.server.heap import trim_heap
 from lmrpc.server.load import LoadTracker
 from lmrpc.server.logit_processors import ProcessorRegistry
 from lmrpc.server.media.types import MultimodalProcessor
 from lmrpc.server.models.loader import LoadedModel, default_gguf, load_model
-from lmrpc.server.models.types import ModelInfo
+from lmrpc.server.models.types import ModelInfo, ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -135,10 +135,13 @@ class AsyncEngine:
         return self.grammar.checked(constraint)
 
     def warmup(self) -> None:
-        """Run one tiny generation so the first real request doesn't pay one-time costs (blocking)."""
+        """Run one tiny generation so the first real request doesn't pay one-time costs (blocking). A model that
+        loaded but cannot generate (its step fails) is a ModelLoadError here: the server never reports SERVING for
+        it."""
         from lmrpc.server.engine.types import SamplingParams
 
         done = threading.Event()
+        finishes: list[Finish] = []
         request = EngineRequest(
             request_id=f"warmup-{next(self._serial)}", rid="warmup", index=0,
             prompt_ids=tuple(self.tokenizer.encode("Hello")) or (0,),
@@ -147,11 +150,14 @@ class AsyncEngine:
 
         def sink(output: EngineOutput) -> None:
             if output.finish is not None:
+                finishes.append(output.finish)
                 done.set()
 
         self._engine.submit(_Add(request, sink))
         if not done.wait(timeout=300):
             raise TimeoutError("engine warm-up did not finish in 300 s")
+        if finishes[0].reason is FinishReason.ERROR:  # the engine logged the failure with its stack
+            raise ModelLoadError(f"the model loaded, but its warm-up generation failed: {finishes[0].message}")
 
     async def generate(self, requests: list[EngineRequest]) -> AsyncGenerator[EngineOutput, None]:
         """Outputs of `requests` as they come. Raises EngineUnavailable when the engine cannot serve (now, or later:

@@ -24,7 +24,7 @@ from lmrpc.server.models import ForwardContext, register
 from lmrpc.server.models.linear import LinearLayer
 from lmrpc.server.models.lora_delta import RowGroup, add_delta
 from lmrpc.server.models.quantized import LinearBuilder, NativeLinear
-from lmrpc.server.models.weights import WeightSource, stack_rows
+from lmrpc.server.models.weights import Matrix, WeightSource, expect_shape, matrix_shape, stack_rows
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,10 @@ class LlamaForCausalLM:
         head_name = "model.embed_tokens.weight"
         if not shape.tie_embeddings and weights.has("lm_head.weight"):
             head_name = "lm_head.weight"
-        self.lm_head = builder.build(weights.matrix(head_name), output=True)
-        self.norm = self._vector(weights, "model.norm.weight")
+        head = weights.matrix(head_name)
+        expect_shape(head_name, matrix_shape(head)[1:], (shape.hidden,))  # rows: the vocabulary, padded or not
+        self.lm_head = builder.build(head, output=True)
+        self.norm = self._vector(weights, "model.norm.weight", shape.hidden)
         # Embedding rows: from the tied output projection when it can give rows (no second copy of the table).
         self._embed_rows = self.lm_head if head_name.startswith("model.embed") and isinstance(
             self.lm_head, NativeLinear) else None
@@ -172,14 +174,25 @@ class LlamaForCausalLM:
         self.layers: list[Layer] = [self._layer(weights, builder, i) for i in range(shape.layers)]
         self._stack: _NativeStack | None = None  # every layer in one native call, once a native cache exists
 
-    def _vector(self, weights: WeightSource, name: str) -> torch.Tensor:
-        return weights.tensor(name).to(device=self.device, dtype=torch.float32).contiguous()
+    def _vector(self, weights: WeightSource, name: str, size: int) -> torch.Tensor:
+        """A norm's weight [size] float32."""
+        vector = weights.tensor(name)
+        expect_shape(name, vector.shape, (size,))
+        return vector.to(device=self.device, dtype=torch.float32).contiguous()
+
+    @staticmethod
+    def _matrix(weights: WeightSource, name: str, out: int, inputs: int) -> Matrix:
+        """A linear layer's weight [out, inputs], checked against the config."""
+        m = weights.matrix(name)
+        expect_shape(name, matrix_shape(m), (out, inputs))
+        return m
 
     def _layer(self, w: WeightSource, builder: LinearBuilder, i: int) -> Layer:
-        p = f"model.layers.{i}."
+        p, s = f"model.layers.{i}.", self.shape
         return self._decoder_layer(w, builder, i, gate_up=builder.build(stack_rows(
-            [w.matrix(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
-            down=builder.build(w.matrix(p + "mlp.down_proj.weight"), gated_inputs=True))
+            [self._matrix(w, p + f"mlp.{n}_proj.weight", s.intermediate, s.hidden) for n in ("gate", "up")])),
+            down=builder.build(self._matrix(w, p + "mlp.down_proj.weight", s.hidden, s.intermediate),
+                               gated_inputs=True))
 
     def _decoder_layer(self, w: WeightSource, builder: LinearBuilder, i: int, gate_up: LinearLayer,
                        down: LinearLayer) -> DecoderLayer:
@@ -189,21 +202,23 @@ class LlamaForCausalLM:
 
     def attention_parts(self, w: WeightSource, builder: LinearBuilder, i: int) -> AttentionParts:
         """Layer i's norms and attention products."""
-        p = f"model.layers.{i}."
+        p, s = f"model.layers.{i}.", self.shape
         qkv_names = [p + f"self_attn.{n}_proj" for n in ("q", "k", "v")]
+        qkv_rows = [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim]
         bias = None
         if w.has(qkv_names[0] + ".bias"):
             bias = torch.cat([w.tensor(n + ".bias") for n in qkv_names]).float()
         qk_norm = None
         if self.shape.qk_norm:
-            qk_norm = QKNorm(self._vector(w, p + "self_attn.q_norm.weight"),
-                             self._vector(w, p + "self_attn.k_norm.weight"))
+            qk_norm = QKNorm(self._vector(w, p + "self_attn.q_norm.weight", s.head_dim),
+                             self._vector(w, p + "self_attn.k_norm.weight", s.head_dim))
         return AttentionParts(
-            input_norm=self._vector(w, p + "input_layernorm.weight"),
-            post_attention_norm=self._vector(w, p + "post_attention_layernorm.weight"),
+            input_norm=self._vector(w, p + "input_layernorm.weight", s.hidden),
+            post_attention_norm=self._vector(w, p + "post_attention_layernorm.weight", s.hidden),
             qk_norm=qk_norm,
-            qkv=builder.build(stack_rows([w.matrix(n + ".weight") for n in qkv_names]), bias),
-            o=builder.build(w.matrix(p + "self_attn.o_proj.weight")),
+            qkv=builder.build(stack_rows([self._matrix(w, n + ".weight", rows, s.hidden)
+                                          for n, rows in zip(qkv_names, qkv_rows, strict=True)]), bias),
+            o=builder.build(self._matrix(w, p + "self_attn.o_proj.weight", s.hidden, s.heads * s.head_dim)),
         )
 
     def linear_layers(self) -> list[LinearLayer]:

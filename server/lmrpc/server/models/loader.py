@@ -99,11 +99,11 @@ def resolve_model_path(config: ModelConfig) -> tuple[Path, Path | None]:
     path = Path(config.path) if config.path else default_gguf()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(
-                f"--model must be an HF model directory or a .gguf file: {path} has no config.json")
+            raise ModelNotFoundError(f"{path}: no config.json (--model takes an HF model directory or a .gguf file)")
         return path, None
     if path.suffix != ".gguf" or not path.is_file():
-        raise ModelNotFoundError(f"--model must be an HF model directory or a .gguf file: {path}")
+        what = "no such file or directory" if not path.exists() else "not a .gguf file"
+        raise ModelNotFoundError(f"{path}: {what} (--model takes an HF model directory or a .gguf file)")
     target = _metadata_target(config, path)
     if not (target / "config.json").exists():
         _convert_atomically(target, lambda tmp: _gguf_metadata(path, tmp))

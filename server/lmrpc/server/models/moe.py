@@ -224,8 +224,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         full = None
         if self.family.full_qk_norm:
             clip = getattr(self.config, "clip_qkv", None)
-            full = FullQKNorm(self._vector(w, f"model.layers.{i}.self_attn.q_norm.weight"),
-                              self._vector(w, f"model.layers.{i}.self_attn.k_norm.weight"), self.shape.eps,
+            s = self.shape  # OLMoE's norms span all heads: [heads * head_dim], [kv_heads * head_dim]
+            full = FullQKNorm(self._vector(w, f"model.layers.{i}.self_attn.q_norm.weight", s.heads * s.head_dim),
+                              self._vector(w, f"model.layers.{i}.self_attn.k_norm.weight", s.kv_heads * s.head_dim),
+                              self.shape.eps,
                               None if clip is None else float(clip))
         return MoEDecoderLayer(i, a.input_norm, a.post_attention_norm, a.qk_norm, a.qkv, a.o, mlp,
                                self._routing_sink, full)

@@ -68,6 +68,18 @@ def stack_rows(parts: Sequence[Matrix]) -> Matrix:
     return torch.cat([_dense(p) for p in parts])
 
 
+def matrix_shape(m: Matrix) -> tuple[int, ...]:
+    """A linear layer's weight's [out, in] (a dense tensor's own shape, whatever its rank)."""
+    return (m.n, m.k) if isinstance(m, (PackedWeight, RowParts)) else tuple(int(d) for d in m.shape)
+
+
+def expect_shape(name: str, got: Sequence[int], expected: Sequence[int]) -> None:
+    """A weight against the shape the model's config gives it: a file whose tensors disagree with its own config is
+    refused at load, naming the tensor, rather than loading and then failing inside a kernel at every request."""
+    if tuple(got) != tuple(expected):
+        raise ModelLoadError(f"tensor {name!r} is {list(got)} where the model's config makes it {list(expected)}")
+
+
 def _dense(m: Matrix) -> torch.Tensor:
     if isinstance(m, PackedWeight):
         return packing.dequantize(m)
