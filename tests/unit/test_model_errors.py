@@ -51,6 +51,10 @@ def _wrong_shape(tmp: Path) -> Path:
     return write_tiny_llama(tmp / "wrong.gguf", GGML.Q4_0, halve_rows=("blk.0.attn_q.weight",))
 
 
+def _bad_header(tmp: Path) -> Path:
+    return write_tiny_llama(tmp / "heads.gguf", GGML.Q4_0, header_heads=3)  # 256 wide: no whole heads
+
+
 @pytest.mark.parametrize(("make", "says"), [
     (_missing, "no such file or directory (--model takes an HF model directory or a .gguf file)"),
     (_no_config, "no config.json (--model takes an HF model directory or a .gguf file)"),
@@ -59,6 +63,7 @@ def _wrong_shape(tmp: Path) -> Path:
     (_holed, "needs tensor 'model.layers.1.mlp.down_proj.weight' (blk.1.ffn_down.weight in the file's names)"),
     (_wrong_shape, "tensor 'model.layers.0.self_attn.q_proj.weight' is [128, 256] where the model's config makes it "
                    "[256, 256]"),
+    (_bad_header, "its header is no valid model config: "),
 ])
 def test_a_model_that_cannot_be_served_is_one_plain_line_and_exit_4(
         tmp_path: Path, make: Callable[[Path], Path], says: str) -> None:

@@ -103,10 +103,12 @@ def _write(out: gguf.GGUFWriter, tensors: dict[str, tuple[np.ndarray, T]]) -> No
 
 
 def write_tiny_llama(path: Path, qtype: T, seed: int = 0, v_down: T | None = None,
-                     leave_out: tuple[str, ...] = (), halve_rows: tuple[str, ...] = ()) -> Path:
+                     leave_out: tuple[str, ...] = (), halve_rows: tuple[str, ...] = (),
+                     header_heads: int | None = None) -> Path:
     """A 2-layer random Llama (tied embeddings) with every matrix in `qtype` (the v and down projections in `v_down`
     when given: Q4_K_M's mix is Q4_K with Q6_K there), norms in float32. Broken files: the tensors named in
-    `leave_out` left out, those in `halve_rows` with half their rows (disagreeing with the header's sizes)."""
+    `leave_out` left out, those in `halve_rows` with half their rows (disagreeing with the header's sizes), the
+    header's head count `header_heads` when given."""
     rng = np.random.default_rng(seed)
     c = TINY
     head_dim = c["hidden"] // c["heads"]
@@ -116,7 +118,7 @@ def write_tiny_llama(path: Path, qtype: T, seed: int = 0, v_down: T | None = Non
     out.add_context_length(4096)
     out.add_embedding_length(c["hidden"])
     out.add_feed_forward_length(c["intermediate"])
-    out.add_head_count(c["heads"])
+    out.add_head_count(header_heads or c["heads"])
     out.add_head_count_kv(c["kv_heads"])
     out.add_rope_freq_base(10000.0)
     out.add_layer_norm_rms_eps(1e-5)

