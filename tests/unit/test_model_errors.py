@@ -5,12 +5,14 @@ than its header gives; and a model that loads but cannot generate (its warm-up f
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 from tiny_gguf import T as GGML
 from tiny_gguf import write_tiny_llama
 
@@ -75,6 +77,20 @@ def test_a_model_that_cannot_be_served_is_one_plain_line_and_exit_4(
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"lmrpc-server: error: cannot serve {model}: ") and last.count(str(model)) == 1, last
     assert says in last and "Traceback" not in done.stdout, last
+
+
+def test_a_checkpoint_without_a_tensor_is_one_plain_line_and_exit_4(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "holed"
+    shutil.copytree(tiny_llama_dir, model)
+    weights = load_file(model / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, model / "model.safetensors")
+    done = subprocess.run([sys.executable, "-m", "lmrpc.server", "--model", str(model), "--host", "127.0.0.1",
+                           "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"lmrpc-server: error: cannot serve {model}: the model needs tensor 'model.layers.1.mlp.down_proj.weight', "
+        "which no .safetensors file has")
 
 
 def test_model_errors_are_the_value_and_file_errors_callers_caught_before(tmp_path: Path) -> None:

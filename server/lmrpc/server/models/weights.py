@@ -102,6 +102,7 @@ class SafetensorsWeights:
     """Every *.safetensors file of a directory, read lazily by name."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self._files: dict[str, Path] = {}
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(file, "pt") as f:
@@ -114,6 +115,8 @@ class SafetensorsWeights:
         return name in self._files
 
     def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._files:
+            raise ModelLoadError(f"{self.path}: the model needs tensor {name!r}, which no .safetensors file has")
         with safe_open(self._files[name], "pt") as f:
             return f.get_tensor(name)
 
