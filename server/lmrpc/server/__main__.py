@@ -9,6 +9,8 @@ import re
 import sys
 from typing import NoReturn
 
+import torch
+
 from lmrpc.server.app import serve
 from lmrpc.server.auth import ApiKeys
 from lmrpc.server.config import (
@@ -33,6 +35,7 @@ from lmrpc.server.engine.grammar_limits import (
     MAX_GRAMMAR_RULES_CEILING,
     GrammarLimits,
 )
+from lmrpc.server.lora.errors import AdapterError
 from lmrpc.server.memory import InsufficientMemoryError
 from lmrpc.server.models.types import ModelLoadError
 from lmrpc.server.telemetry import LOG_FORMATS, configure_logging
@@ -231,10 +234,15 @@ def _add_transport_flags(p: argparse.ArgumentParser) -> None:
                         "(default: gRPC's 4 MiB receive, unlimited send)")
 
 
+# Config fields whose flag is not their name spelled with dashes.
+_FLAG_OF_FIELD = {"num_tokens": "--kv-cache-tokens", "max_prefill_chunk": "--max-batched-tokens"}
+
+
 def _flag_error(error: ValueError, *configs: type) -> NoReturn:
     """Exit 2 with a config's message, its field names spelled as the flags the user typed (tls_cert -> --tls-cert)."""
     names = "|".join(f.name for config in configs for f in dataclasses.fields(config))
-    message = re.sub(rf"\b({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), str(error))
+    message = re.sub(rf"\b({names})\b",
+                     lambda m: _FLAG_OF_FIELD.get(m.group(1), "--" + m.group(1).replace("_", "-")), str(error))
     print(f"lmrpc-server: error: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -276,6 +284,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         )
     except ValueError as e:
         _flag_error(e, ModelConfig, CacheConfig, SchedulerConfig, EngineConfig, LoraConfig, GrammarLimits)
+
+
+def _check_device(device: str) -> None:
+    """--device cuda on a machine (or a torch build) without CUDA: a flag error, not a failed assertion in torch."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"lmrpc-server: error: --device {device}: no CUDA device here (torch {torch.__version__}: "
+              f"torch.cuda.is_available() is False); use --device cpu or auto", file=sys.stderr)
+        sys.exit(2)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -330,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     engine = engine_config(args)
+    _check_device(engine.model.device)
     server = server_config(args)
     try:
         asyncio.run(serve(engine, server))
@@ -337,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
         # Said plainly and at once, rather than loading on until the kernel's OOM killer ends the process unexplained.
         print(f"lmrpc-server: error: not enough memory: {e}", file=sys.stderr)
         raise SystemExit(EXIT_NO_MEMORY) from None
+    except AdapterError as e:  # only --lora-modules' adapters load before serving: requests' errors never get here
+        print(f"lmrpc-server: error: --lora-modules: {e}", file=sys.stderr)
+        sys.exit(2)
     except ModelLoadError as e:
         # The user's file (or path) is at fault: the message says which and what; a traceback would bury it.
         model = str(args.model) if args.model else "the default model"

@@ -1,7 +1,8 @@
-"""A --model that cannot be served stops lmrpc-server at start with one plain line naming the path and what is wrong,
-exit code 4, and no traceback (models.types.ModelLoadError; the user's file is at fault, not the server): a path
-that names no model, a file that is not GGUF, cut short, without a tensor the model needs or with one of another shape
-than its header gives; and a model that loads but cannot generate (its warm-up fails: never SERVING)."""
+"""A server that cannot start says why in one plain line, with no traceback. A --model that cannot be served: exit 4
+(models.types.ModelLoadError; the user's file is at fault, not the server): a path that names no model, a file that
+is not GGUF, cut short, without a tensor the model needs or with one of another shape than its header gives; and a
+model that loads but cannot generate (its warm-up fails: never SERVING). Flags that cannot work here: exit 2, naming
+the flag as typed (--device cuda without CUDA, --lora-modules naming no adapter, --kv-cache-tokens below a page)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from tiny_gguf import T as GGML
 from tiny_gguf import write_tiny_llama
@@ -116,3 +118,32 @@ def test_a_model_whose_warm_up_fails_is_a_model_load_error(tmp_path: Path, monke
         engine.warmup()  # the same engine, its forward whole again: no error
     finally:
         engine.shutdown()
+
+
+def _start(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lmrpc.server", "--host", "127.0.0.1", "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_lora_modules_naming_no_adapter_is_a_flag_error(tmp_path: Path) -> None:
+    done = _start("--lora-modules", f"x={tmp_path / 'nothing'}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"lmrpc-server: error: --lora-modules: no LoRA adapter at {tmp_path / 'nothing'}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine serves --device cuda")
+def test_device_cuda_without_cuda_is_a_flag_error() -> None:
+    done = _start("--device", "cuda:1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "lmrpc-server: error: --device cuda:1: no CUDA device here")
+
+
+def test_config_errors_name_the_flag_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmrpc.server.__main__ import engine_config, parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        engine_config(parse_args(["--kv-cache-tokens", "10"]))
+    assert exc.value.code == 2
+    assert "lmrpc-server: error: --kv-cache-tokens must hold at least one page" in capsys.readouterr().err
