@@ -2,11 +2,13 @@
 (models.types.ModelLoadError; the user's file is at fault, not the server): a path that names no model, a file that
 is not GGUF, cut short, without a tensor the model needs or with one of another shape than its header gives; and a
 model that loads but cannot generate (its warm-up fails: never SERVING). Flags that cannot work here: exit 2, naming
-the flag as typed (--device cuda without CUDA, --lora-modules naming no adapter, --kv-cache-tokens below a page)."""
+the flag as typed (--device cuda without CUDA, --lora-modules naming no adapter, --kv-cache-tokens below a page, a
+--port or --metrics-port in use)."""
 
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -120,9 +122,22 @@ def test_a_model_whose_warm_up_fails_is_a_model_load_error(tmp_path: Path, monke
         engine.shutdown()
 
 
-def _start(*flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lmrpc.server", "--host", "127.0.0.1", "--port", "0", *flags],
+def _start(*flags: str, port: int = 0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lmrpc.server", "--host", "127.0.0.1", "--port", str(port), *flags],
                           capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("which", ["--port", "--metrics-port"])
+def test_a_port_in_use_is_a_flag_error(which: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _start(port=port) if which == "--port" else _start("--metrics-port", str(port))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    said = {"--port": f"--host/--port: cannot listen on 127.0.0.1:{port} (the port is in use",
+            "--metrics-port": f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}"}[which]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"lmrpc-server: error: {said}"), done.stderr
 
 
 def test_lora_modules_naming_no_adapter_is_a_flag_error(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from lmrpc.server.lora.errors import AdapterError
 from lmrpc.server.memory import InsufficientMemoryError
 from lmrpc.server.models.types import ModelLoadError
 from lmrpc.server.telemetry import LOG_FORMATS, configure_logging
+from lmrpc.server.transport import ListenError
 
 EXIT_NO_MEMORY = 3  # the memory limit cannot hold the model and a minimal KV cache (2 is a flag error)
 EXIT_BAD_MODEL = 4  # --model names no model, or one that cannot be served (models.types.ModelLoadError)
@@ -354,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
         # Said plainly and at once, rather than loading on until the kernel's OOM killer ends the process unexplained.
         print(f"lmrpc-server: error: not enough memory: {e}", file=sys.stderr)
         raise SystemExit(EXIT_NO_MEMORY) from None
+    except ListenError as e:
+        print(f"lmrpc-server: error: {e}", file=sys.stderr)
+        sys.exit(2)
     except AdapterError as e:  # only --lora-modules' adapters load before serving: requests' errors never get here
         print(f"lmrpc-server: error: --lora-modules: {e}", file=sys.stderr)
         sys.exit(2)

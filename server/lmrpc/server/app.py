@@ -114,11 +114,10 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     app = await App.create(engine_config, server_config)
     print(f"lmrpc-server listening on {server_config.host}:{app.port}", flush=True)
     metrics_server = None
-    if app.metrics is not None and server_config.metrics_port is not None:
-        metrics_server = MetricsServer.start(app.metrics.registry, server_config.host, server_config.metrics_port)
-        print(f"lmrpc-server metrics on {server_config.host}:{metrics_server.port}", flush=True)
-
     try:
+        if app.metrics is not None and server_config.metrics_port is not None:
+            metrics_server = MetricsServer.start(app.metrics.registry, server_config.host, server_config.metrics_port)
+            print(f"lmrpc-server metrics on {server_config.host}:{metrics_server.port}", flush=True)
         # Probes answer NOT_SERVING while the model loads and warms up, off the event loop.
         keep_numpy_off_huge_pages()  # before loading: heap.py says why
         engine = await asyncio.to_thread(AsyncEngine.start, engine_config)

@@ -22,6 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from lmrpc.server.engine.types import EngineOutput, EngineStats, Usage
+from lmrpc.server.transport import ListenError
 
 PREFIX = "lmrpc:"
 VLLM = "vllm:"  # the names routers built for vLLM read
@@ -254,7 +255,10 @@ class MetricsServer:
 
     @classmethod
     def start(cls, registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            httpd, thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:  # EADDRINUSE, EADDRNOTAVAIL: the flags' fault, said as such
+            raise ListenError(f"--metrics-port {port}: cannot listen on {host}:{port} ({e.strerror})") from e
         return cls(httpd, thread)
 
     @property

@@ -58,9 +58,18 @@ def server_credentials(config: TransportConfig) -> grpc.ServerCredentials | None
     )
 
 
+class ListenError(OSError):
+    """The server cannot listen where its flags say (a port in use, a host that is no address of this machine):
+    `lmrpc-server` says so in one line and exits 2."""
+
+
 def add_port(server: grpc.aio.Server, address: str, config: TransportConfig) -> int:
     """Bind `address` (TLS if configured, else plaintext); returns the bound port (the chosen one for port 0)."""
     credentials = server_credentials(config)
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as e:  # grpc's only word for a failed bind ("Failed to bind to address ...")
+        raise ListenError(f"--host/--port: cannot listen on {address} (the port is in use, or the host is no address "
+                          "of this machine)") from e
