@@ -127,9 +127,10 @@ def test_chat_template_flag_reads_the_file(tmp_path: Path, capsys: pytest.Captur
     args = parse_args(["--chat-template", str(template)])
     assert read_chat_template(args.chat_template) == "{{ messages[0].content }}"
     assert read_chat_template(None) is None
-    for bad, says in ((tmp_path / "missing.jinja", "cannot read"), (tmp_path / "empty.jinja", "is empty")):
-        if "empty" in bad.name:
-            bad.write_text("  \n")
+    (tmp_path / "empty.jinja").write_text("  \n")
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor: fails every call
+    for bad, says in ((tmp_path / "missing.jinja", "cannot read"), (tmp_path / "empty.jinja", "is empty"),
+                      (tmp_path / "broken.jinja", "is no valid template: Unexpected end of template")):
         with pytest.raises(SystemExit) as exit_:
             read_chat_template(str(bad))
         assert exit_.value.code == 2 and says in capsys.readouterr().err

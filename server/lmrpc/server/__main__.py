@@ -9,7 +9,9 @@ import re
 import sys
 from typing import NoReturn
 
+import jinja2
 import torch
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from lmrpc.server.app import serve
 from lmrpc.server.auth import ApiKeys
@@ -340,6 +342,12 @@ def read_chat_template(path: str | None) -> str | None:
     if not text.strip():
         print(f"lmrpc-server: error: --chat-template: {path!r} is empty", file=sys.stderr)
         raise SystemExit(2)
+    try:  # compiled as transformers compiles it at render time, so a broken file fails here, not at every chat call
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        print(f"lmrpc-server: error: --chat-template: {path!r} is no valid template: {e.message} (line {e.lineno})",
+              file=sys.stderr)
+        raise SystemExit(2) from None
     return text
 
 
