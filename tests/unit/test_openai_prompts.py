@@ -121,6 +121,18 @@ def test_override_and_missing_template(smollm2_tokenizer: PreTrainedTokenizerBas
     assert render(ChatTemplate(bare, override), [msg("user", "Hi")]) == "[user] Hi\n"
 
 
+def test_a_model_template_that_does_not_compile_is_failed_precondition(
+        smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+    broken = copy.deepcopy(smollm2_tokenizer)
+    broken.chat_template = "{% for m in messages %}{{ m.content }}"  # no endfor
+    with pytest.raises(RequestError) as err:
+        render(ChatTemplate(broken), [msg("user", "Hi")])
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION  # the server's template, not the caller's messages
+    violation = err.value.violations[0]
+    assert violation.field == "chat_template" and "does not compile: Unexpected end of template" in \
+        violation.description and "--chat-template" in violation.description
+
+
 def test_chat_template_flag_reads_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages[0].content }}")

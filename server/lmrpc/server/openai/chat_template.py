@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import jinja2
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from lmrpc.server import validation
 from lmrpc.server.openai import tools as tool_calls
@@ -59,6 +60,13 @@ class ChatTemplate:
             source = source.get("default")
         self.source: str | None = source if isinstance(source, str) and source.strip() else None
         self._renders_parts: bool | None = None  # whether the template renders content lists (probed once)
+        # Why the template cannot be used though there is one (it does not compile); None when it can.
+        self.unusable: str | None = None
+        if self.source is not None:
+            try:  # as transformers compiles it at each render (cached): a broken one fails here once, said as such
+                _compile_jinja_template(self.source)
+            except jinja2.TemplateSyntaxError as e:
+                self.unusable = f"the chat template does not compile: {e.message} (line {e.lineno})"
 
     def renders_parts(self) -> bool:
         """Whether the template renders a message whose content is a list of parts (text parts' text written, not
@@ -74,6 +82,9 @@ class ChatTemplate:
         return self._renders_parts
 
     def require(self) -> str:
+        if self.unusable is not None:  # --chat-template's own file is checked at start: this is the tokenizer's
+            raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
+                "chat_template", f"{self.unusable}; start the server with a --chat-template FILE that does")])
         if self.source is None:
             raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
                 "chat_template", "the model has no chat template (tokenizer_config.json has no chat_template); "
