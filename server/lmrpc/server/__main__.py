@@ -9,9 +9,7 @@ import re
 import sys
 from typing import NoReturn
 
-import jinja2
 import torch
-from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from lmrpc.server.app import serve
 from lmrpc.server.auth import ApiKeys
@@ -40,6 +38,7 @@ from lmrpc.server.engine.grammar_limits import (
 from lmrpc.server.lora.errors import AdapterError
 from lmrpc.server.memory import InsufficientMemoryError
 from lmrpc.server.models.types import ModelLoadError
+from lmrpc.server.openai.chat_template import compile_error
 from lmrpc.server.telemetry import LOG_FORMATS, configure_logging
 from lmrpc.server.transport import ListenError
 
@@ -342,12 +341,10 @@ def read_chat_template(path: str | None) -> str | None:
     if not text.strip():
         print(f"lmrpc-server: error: --chat-template: {path!r} is empty", file=sys.stderr)
         raise SystemExit(2)
-    try:  # compiled as transformers compiles it at render time, so a broken file fails here, not at every chat call
-        _compile_jinja_template(text)
-    except jinja2.TemplateSyntaxError as e:
-        print(f"lmrpc-server: error: --chat-template: {path!r} is no valid template: {e.message} (line {e.lineno})",
-              file=sys.stderr)
-        raise SystemExit(2) from None
+    error = compile_error(text)
+    if error is not None:
+        print(f"lmrpc-server: error: --chat-template: {path!r} is no valid template: {error}", file=sys.stderr)
+        raise SystemExit(2)
     return text
 
 

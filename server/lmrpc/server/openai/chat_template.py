@@ -49,6 +49,16 @@ class Rendered:
     tool_format_known: bool  # the model's tool-call format is Hermes' (the template's, or the one we described)
 
 
+def compile_error(source: str) -> str | None:
+    """Why a template does not compile as transformers compiles it at each render ("message (line n)"), or None: a
+    broken template is found once (at start for --chat-template's file), not at every chat call."""
+    try:
+        _compile_jinja_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        return f"{e.message} (line {e.lineno})"
+    return None
+
+
 class ChatTemplate:
     """The server's chat template: the override's text, else the tokenizer's; None when it has none."""
 
@@ -61,12 +71,8 @@ class ChatTemplate:
         self.source: str | None = source if isinstance(source, str) and source.strip() else None
         self._renders_parts: bool | None = None  # whether the template renders content lists (probed once)
         # Why the template cannot be used though there is one (it does not compile); None when it can.
-        self.unusable: str | None = None
-        if self.source is not None:
-            try:  # as transformers compiles it at each render (cached): a broken one fails here once, said as such
-                _compile_jinja_template(self.source)
-            except jinja2.TemplateSyntaxError as e:
-                self.unusable = f"the chat template does not compile: {e.message} (line {e.lineno})"
+        error = None if self.source is None else compile_error(self.source)
+        self.unusable: str | None = None if error is None else f"the chat template does not compile: {error}"
 
     def renders_parts(self) -> bool:
         """Whether the template renders a message whose content is a list of parts (text parts' text written, not
