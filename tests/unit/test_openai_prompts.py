@@ -17,7 +17,7 @@ from lmrpc.server.openai import fim
 from lmrpc.server.openai.chat_template import ChatTemplate, template_message
 from lmrpc.server.openai.logprobs import TokenTexts
 from lmrpc.server.openai.validation import ToolSpec
-from lmrpc.server.validation import RequestError
+from lmrpc.server.statuses import RequestError
 from lmrpc.v1 import openai_pb2
 
 WEATHER = ToolSpec("get_weather", "The weather", {"type": "object", "properties": {"city": {"type": "string"}}})

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from lora_adapters import make_adapter
 
-from lmrpc.server import userinput, validation
+from lmrpc.server import statuses, userinput
 from lmrpc.server.config import LoraConfig, MediaConfig, ModelConfig
 from lmrpc.server.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from lmrpc.server.lora.errors import NAME_RULE, AdapterError, AdapterErrorKind, valid_name
@@ -138,7 +138,7 @@ def test_nul_and_control_characters_in_a_path_are_invalid(tiny_model: LlamaForCa
     for path in ("a1\x00", "a\x00/../a1", "a1\n", "a1\x1b[31m"):
         for err in (_error(registry.resolve, path), _error(registry.load, "n", path, confined=True)):
             assert err.kind is AdapterErrorKind.INVALID and "control characters" in err.message, repr(path)
-    assert validation.adapter_error(err, "lora_path[0]").code is grpc.StatusCode.INVALID_ARGUMENT
+    assert statuses.adapter_error(err, "lora_path[0]").code is grpc.StatusCode.INVALID_ARGUMENT
     err = _error(registry.resolve, "a/" * 50_000)  # no NUL, but past PATH_MAX: refused before resolving
     assert err.kind is AdapterErrorKind.INVALID and len(err.message) < 400
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from lmrpc.server import validation
+from lmrpc.server import statuses, validation
 from lmrpc.server.config import RequestLimits
 from lmrpc.v1 import generate_pb2, openai_pb2
 
@@ -17,16 +17,16 @@ LIMITS = RequestLimits()
 CAPACITY = 320
 
 
-def _refused(req: generate_pb2.GenerateRequest) -> validation.RequestError:
-    with pytest.raises(validation.RequestError) as info:
+def _refused(req: generate_pb2.GenerateRequest) -> statuses.RequestError:
+    with pytest.raises(statuses.RequestError) as info:
         validation.check_generate_sizes(req, validation.check_shape(req), LIMITS, CAPACITY)
     return info.value
 
 
-def _trailer_bytes(error: validation.RequestError) -> int:
+def _trailer_bytes(error: statuses.RequestError) -> int:
     """What the status costs as trailers: grpc-status, grpc-message (percent-encoded at worst 3 bytes per byte of
     UTF-8 outside printable ASCII) and grpc-status-details-bin (base64)."""
-    status = validation.to_status(error)
+    status = statuses.to_status(error)
     [(_, details)] = [kv for kv in status.trailing_metadata if kv[0] == "grpc-status-details-bin"]
     message = status.details.encode()
     encoded = sum(1 if 0x20 <= b < 0x7F and b != 0x25 else 3 for b in message)
@@ -84,14 +84,14 @@ def test_token_ids_logprob_is_bounded() -> None:
 
 def test_openai_requests_are_bounded_by_the_same_rules() -> None:
     req = openai_pb2.ChatCompleteRequest(logit_bias={i: 1.0 for i in range(LIMITS.max_logit_bias + 1)})
-    c = validation.Collector()
+    c = statuses.Collector()
     validation.check_sizes(c, [("", req)], LIMITS)
     assert [v.field for v in c.violations] == ["logit_bias"]
 
 
 @pytest.mark.parametrize("rid", ["r" * (validation.MAX_RID_CHARS + 1), "a\nb", "a\x00b"])
 def test_request_ids_are_short_and_printable(rid: str) -> None:
-    with pytest.raises(validation.RequestError) as info:
+    with pytest.raises(statuses.RequestError) as info:
         validation.check_shape(generate_pb2.GenerateRequest(text=["hi"], rid=[rid]))
     assert info.value.violations[0].field == "rid"
 
@@ -101,25 +101,25 @@ def test_every_error_fits_in_8_kib_of_trailers() -> None:
     worst case for grpc-message's percent-encoding): the status names the first few, counts the rest, and costs
     well under the 8 KiB of trailers a default gRPC client accepts."""
     field, description = "f" * 10_000, "d\U0001F600" * 5_000
-    error = validation.RequestError(grpc.StatusCode.INVALID_ARGUMENT, [
-        validation.Violation(field + str(i), description) for i in range(10_000)])
+    error = statuses.RequestError(grpc.StatusCode.INVALID_ARGUMENT, [
+        statuses.Violation(field + str(i), description) for i in range(10_000)])
     size = _trailer_bytes(error)
     assert size < 8 * 1024 - 1024  # a margin for grpc-status and the ORCA load report
-    status = validation.to_status(error)
+    status = statuses.to_status(error)
     detail = error_details_pb2.BadRequest()
     [any_detail] = status_pb2.Status.FromString(dict(status.trailing_metadata)["grpc-status-details-bin"]).details
     assert any_detail.Unpack(detail)
     violations = list(detail.field_violations)
-    assert 1 < len(violations) <= validation.MAX_VIOLATIONS + 1
+    assert 1 < len(violations) <= statuses.MAX_VIOLATIONS + 1
     assert violations[-1].description.startswith("and ") and "more" in violations[-1].description
-    assert all(len(v.field) <= validation.MAX_FIELD_CHARS for v in violations)
-    assert all(len(v.description) <= validation.MAX_DESCRIPTION_CHARS for v in violations)
+    assert all(len(v.field) <= statuses.MAX_FIELD_CHARS for v in violations)
+    assert all(len(v.description) <= statuses.MAX_DESCRIPTION_CHARS for v in violations)
 
 
 def test_a_few_short_violations_are_sent_whole() -> None:
-    error = validation.RequestError(grpc.StatusCode.INVALID_ARGUMENT, [
-        validation.Violation("top_p", "must be in (0, 1], got 2.0"), validation.Violation("n", "must be >= 1")])
-    status = validation.to_status(error)
+    error = statuses.RequestError(grpc.StatusCode.INVALID_ARGUMENT, [
+        statuses.Violation("top_p", "must be in (0, 1], got 2.0"), statuses.Violation("n", "must be >= 1")])
+    status = statuses.to_status(error)
     assert status.details == "top_p: must be in (0, 1], got 2.0; n: must be >= 1"
 
 
@@ -130,7 +130,7 @@ def test_repetition_penalty_zero_is_refused_not_divided_by() -> None:
         pb = generate_pb2.SamplingParams(repetition_penalty=value)
         return validation.resolve_sampling(pb, "sampling_params", INFO, False, 4, "", False)
 
-    with pytest.raises(validation.RequestError) as info:
+    with pytest.raises(statuses.RequestError) as info:
         resolve(0.0)
     [violation] = info.value.violations
     assert violation.field == "sampling_params.repetition_penalty" and "(0, 2]" in violation.description
@@ -162,7 +162,7 @@ def test_stop_regex_is_compiled_once_at_validation_and_reused_by_every_output(sm
     # each output's processor (the engine thread) takes the compiled patterns: nothing is compiled there
     processors = [OutputProcessor(smollm2_tokenizer, [1, 2], params, (2,)) for _ in range(params.n)]  # type: ignore[arg-type]
     assert all(p.regexes is params.stop_patterns for p in processors)
-    with pytest.raises(validation.RequestError) as info:
+    with pytest.raises(statuses.RequestError) as info:
         validation.resolve_sampling(generate_pb2.SamplingParams(stop_regex=["ok", "(unclosed"]), "sampling_params",
                                     INFO, False, 4, "", False)
     [violation] = info.value.violations

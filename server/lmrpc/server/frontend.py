@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import grpc
 
-from lmrpc.server import auth, load, memory, validation
+from lmrpc.server import auth, load, memory, statuses, validation
 from lmrpc.server.config import EngineConfig, ServerConfig
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.engine import EngineUnavailable
@@ -87,11 +87,11 @@ class Frontend:
 
     def new_rid(self, given: str | None) -> str:
         """`given`, or a fresh id; a given id still running is a user error."""
-        c = validation.Collector()
+        c = statuses.Collector()
         validation.check_rids(c, "rid", [given] if given else [])
         c.raise_if_any()
         if given and self.engine.is_live(given):
-            raise validation.invalid("rid", f"request id {given!r} is already running")
+            raise statuses.invalid("rid", f"request id {given!r} is already running")
         return given or uuid.uuid4().hex
 
     def client_of(self, context: grpc.aio.ServicerContext) -> str:
@@ -118,16 +118,16 @@ class Frontend:
         try:
             prepare.check_items(items, self.media_target(), self.server_config.media.max_media_items)
         except prepare.MediaRefused as exc:
-            raise validation.media_error(exc) from exc
+            raise statuses.media_error(exc) from exc
 
     async def prepare_media(self, prompts: Sequence[Sequence[int]], items: Sequence[Sequence[ingest.WireItem]]
                             ) -> list[MultimodalPrompt | None]:
         """Each prompt with its media items placed by the model's processor (None for a prompt without items), by
-        media/prepare.py; every failure a RequestError naming the item (validation.media_error)."""
+        media/prepare.py; every failure a RequestError naming the item (statuses.media_error)."""
         try:
             return await prepare.prepare(prompts, items, self.media_target(), self.server_config.media)
         except (MediaError, prepare.MediaRefused) as exc:
-            raise validation.media_error(exc) from exc
+            raise statuses.media_error(exc) from exc
 
     # ---- admission ---------------------------------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ class Frontend:
         Over the server's limit, or over the client's share of the queue, the call ends RESOURCE_EXHAUSTED."""
         limit = self.capacity
         if self._outputs_in_flight + len(requests) > limit:
-            await context.abort_with_status(validation.resource_exhausted_status(limit))
+            await context.abort_with_status(statuses.resource_exhausted_status(limit))
         client = self.client_of(context)
         await self._check_client_share(context, client, len(requests))
         self._outputs_in_flight += len(requests)
@@ -169,7 +169,7 @@ class Frontend:
         queued = self._in_flight_by_client.get(client, 0) + new - running
         contended = self._outputs_in_flight + new > self.engine_config.scheduler.max_running_requests
         if queued > cap and contended:
-            await context.abort_with_status(validation.client_share_exhausted_status(cap, queued - new))
+            await context.abort_with_status(statuses.client_share_exhausted_status(cap, queued - new))
 
     # ---- load --------------------------------------------------------------------------------------------------
 
@@ -223,5 +223,5 @@ async def check_constraint(engine: AsyncEngine, params: SamplingParams, field: s
     try:
         constraint = await asyncio.to_thread(engine.check_constraint, params.constraint)
     except GrammarError as exc:
-        raise validation.invalid(field, str(exc)) from exc
+        raise statuses.invalid(field, str(exc)) from exc
     return replace(params, constraint=constraint)

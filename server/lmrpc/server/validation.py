@@ -1,34 +1,24 @@
-"""User-error rules and their one mapping to gRPC statuses. Rules collect typed violations; `to_status` maps them to a
-status with google.rpc.BadRequest field violations (INVALID_ARGUMENT;
-NOT_FOUND for an unknown model or LoRA adapter; PERMISSION_DENIED for an adapter path outside --lora-root, or a
-media URL or path the --allowed-media-domains/--allowed-local-media-path flags do not allow; UNAVAILABLE for a media
-URL that cannot be reached;
-ALREADY_EXISTS for an adapter name taken; RESOURCE_EXHAUSTED for LoadLoraAdapter while no adapter may be evicted)
-or a google.rpc.PreconditionFailure (FAILED_PRECONDITION).
-
-The rules of GenerateService's requests and the sampling parameters every RPC shares live here; the rules of the
-OpenAI-shaped requests, which map onto these, live in openai/validation.py."""
+"""The rules of GenerateService's requests and of the sampling parameters every RPC shares: counts and sizes first
+(from the request's own counts, before anything is read or built), then prompts, embeddings, extras and sampling.
+Violations are collected and raised as a statuses.RequestError, which statuses.py maps to a gRPC status; the rules
+of the OpenAI-shaped requests, which map onto these, live in openai/validation.py."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import grpc
 import numpy as np
 import regex
-from google.protobuf import any_pb2, duration_pb2, json_format
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.protobuf import json_format
 
 from lmrpc.server.embeddings import prompt_embeddings
 from lmrpc.server.engine.types import Constraint, HiddenStatesMode, PromptEmbeddings, SamplingParams
 from lmrpc.server.lora.errors import AdapterError, AdapterErrorKind
-from lmrpc.server.media.prepare import MediaRefused
-from lmrpc.server.media.sources import SourceError, SourceErrorKind
-from lmrpc.server.media.types import MediaError
 from lmrpc.server.models.types import ModelInfo
+from lmrpc.server.statuses import Collector, Violation, adapter_error, invalid
 from lmrpc.server.userinput import clip
 from lmrpc.v1 import generate_pb2, openai_pb2
 
@@ -40,124 +30,9 @@ if TYPE_CHECKING:
 ExtrasRequest = Union[  # noqa: UP007 (runtime alias)
     generate_pb2.GenerateRequest, openai_pb2.CompleteRequest, openai_pb2.ChatCompleteRequest]
 MAX_TOP_LOGPROBS = 20
-_SOURCE_CODES = {
-    SourceErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    SourceErrorKind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
-    SourceErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-}
-_ADAPTER_CODES = {
-    AdapterErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    AdapterErrorKind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
-    AdapterErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    AdapterErrorKind.UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
-    AdapterErrorKind.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    AdapterErrorKind.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 OPENAI_DEFAULTS: dict[str, float] = {
     "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
 }
-
-
-@dataclass(frozen=True)
-class Violation:
-    field: str  # the request field, e.g. "sampling_params[0].top_p"
-    description: str  # what is wrong and the allowed range
-
-
-class RequestError(Exception):
-    """A request the server refuses; carries the status code and the violations."""
-
-    def __init__(self, code: grpc.StatusCode, violations: list[Violation]) -> None:
-        super().__init__("; ".join(f"{v.field}: {v.description}" for v in violations))
-        self.code = code
-        self.violations = violations
-
-
-# Bounds on what an error may carry back: grpc-message and the BadRequest details travel as trailers, and gRPC
-# clients refuse trailers over 8 KiB by default (a larger error reaches them as RESOURCE_EXHAUSTED, with the real
-# status and every field lost). The first MAX_VIOLATIONS violations are sent, then one saying how many more; a
-# field name or description is cut to its bound, and the violations' UTF-8 to MAX_ERROR_BYTES in all (the message
-# is percent-encoded, at most 3 bytes per byte: ~3.6 KiB; the details are base64: ~1.7 KiB).
-MAX_VIOLATIONS = 20
-MAX_FIELD_CHARS = 100
-MAX_DESCRIPTION_CHARS = 200
-MAX_ERROR_BYTES = 1200
-
-
-def bounded(violations: Sequence[Violation]) -> list[Violation]:
-    """The violations an error carries: at most MAX_VIOLATIONS, each field and description clipped, their UTF-8
-    within MAX_ERROR_BYTES (the first is always sent), and a last one counting the rest."""
-    out: list[Violation] = []
-    size = 0
-    for v in violations:
-        cut = Violation(clip(v.field, MAX_FIELD_CHARS), clip(v.description, MAX_DESCRIPTION_CHARS))
-        size += len(cut.field.encode()) + len(cut.description.encode()) + 4
-        if out and (len(out) == MAX_VIOLATIONS or size > MAX_ERROR_BYTES):
-            break
-        out.append(cut)
-    if len(out) < len(violations):
-        out.append(Violation("(more)", f"and {len(violations) - len(out)} more violations not listed"))
-    return out
-
-
-def to_status(error: RequestError) -> grpc.Status:
-    """The error as a status whose message and details stay far below gRPC's 8 KiB trailer limit (bounded)."""
-    from grpc_status import rpc_status
-
-    violations = bounded(error.violations)
-    detail = any_pb2.Any()
-    if error.code is grpc.StatusCode.FAILED_PRECONDITION:
-        detail.Pack(error_details_pb2.PreconditionFailure(violations=[
-            error_details_pb2.PreconditionFailure.Violation(type=v.field, description=v.description)
-            for v in violations
-        ]))
-    else:
-        detail.Pack(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-            for v in violations
-        ]))
-    code: int = error.code.value[0]  # grpc.StatusCode values are (number, name)
-    message = "; ".join(f"{v.field}: {v.description}" for v in violations)
-    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=[detail]))
-
-
-def resource_exhausted_status(limit: int) -> grpc.Status:
-    """The server is full: RESOURCE_EXHAUSTED with a google.rpc.RetryInfo telling the client when to retry."""
-    from grpc_status import rpc_status
-
-    detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=1)))
-    return rpc_status.to_status(status_pb2.Status(
-        code=code_pb2.RESOURCE_EXHAUSTED, message=f"server is at capacity ({limit} outputs running or queued)",
-        details=[detail]))
-
-
-def client_share_exhausted_status(cap: int, queued: int) -> grpc.Status:
-    """This client has its share of the queue (--max-queued-per-client): RESOURCE_EXHAUSTED with RetryInfo."""
-    from grpc_status import rpc_status
-
-    detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=1)))
-    return rpc_status.to_status(status_pb2.Status(
-        code=code_pb2.RESOURCE_EXHAUSTED,
-        message=f"this client has {queued} outputs queued and may queue at most {cap} while the server is busy "
-                "(--max-queued-per-client)",
-        details=[detail]))
-
-
-class Collector:
-    """Gathers the violations of one request, so that the caller hears of all of them at once."""
-
-    def __init__(self) -> None:
-        self.violations: list[Violation] = []
-
-    def check(self, ok: bool, field: str, description: str) -> None:
-        if not ok:
-            self.violations.append(Violation(field, description))
-
-    def raise_if_any(self, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
-        if self.violations:
-            raise RequestError(code, self.violations)
 
 
 MAX_RID_CHARS = 256  # a request id is a name for logs, metrics and Abort, not a payload
@@ -266,16 +141,6 @@ def check_media_shape(req: generate_pb2.GenerateRequest, num_prompts: int) -> No
         c.check(not (lists and req.input_embeds), name,
                 "media items need text or input_ids prompts (their placeholders mark where the items go)")
     c.raise_if_any()
-
-
-def media_error(exc: MediaError | MediaRefused) -> RequestError:
-    """A media item that cannot be used: INVALID_ARGUMENT naming it, or the status its source failure calls for
-    (PERMISSION_DENIED for a host or path the flags do not allow, UNAVAILABLE for an unreachable URL); items refused
-    before any was read (media/prepare.py): INVALID_ARGUMENT naming each."""
-    if isinstance(exc, MediaRefused):
-        return RequestError(grpc.StatusCode.INVALID_ARGUMENT, [Violation(e.field, e.message) for e in exc.errors])
-    code = _SOURCE_CODES[exc.kind] if isinstance(exc, SourceError) else grpc.StatusCode.INVALID_ARGUMENT
-    return RequestError(code, [Violation(exc.field, exc.message)])
 
 
 def check_prompt_ids(c: Collector, ids: list[int], field: str, info: ModelInfo) -> None:
@@ -454,11 +319,6 @@ def resolve_sampling(
     )
 
 
-def adapter_error(exc: AdapterError, field: str) -> RequestError:
-    """A LoRA adapter that cannot be used, as the status its kind calls for (see the module doc)."""
-    return RequestError(_ADAPTER_CODES[exc.kind], [Violation(field, exc.message)])
-
-
 async def resolve_adapter(registry: LoraRegistry, ref: str, field: str) -> LoadedAdapter | None:
     """The LoRA adapter `ref` names ("": None, the base model), loaded from under --lora-root if need be (in a
     worker thread: it reads files); an unusable one is a RequestError on `field`. While --max-loaded-loras adapters
@@ -482,10 +342,6 @@ def lora_ref(refs: Sequence[str], index: int) -> str:
     if not refs:
         return ""
     return refs[0] if len(refs) == 1 else refs[index]
-
-
-def invalid(field: str, description: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, [Violation(field, description)])
 
 
 def whole_numbers_as_ints(value: Any) -> Any:

@@ -10,7 +10,7 @@ from contextlib import aclosing
 
 import grpc
 
-from lmrpc.server import validation
+from lmrpc.server import statuses, validation
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.types import EngineRequest, LogprobOptions, PromptEmbeddings
 from lmrpc.server.frontend import Frontend, check_constraint
@@ -89,7 +89,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 try:
                     self.engine.processors.create(params.logit_processor, dict(params.processor_params))
                 except (KeyError, ValueError) as exc:
-                    raise validation.invalid("custom_logit_processor", str(exc).strip("'\"")) from exc
+                    raise statuses.invalid("custom_logit_processor", str(exc).strip("'\"")) from exc
             if params.constraint is not None:
                 params = await check_constraint(self.engine, params, f"{name}.{params.constraint.kind}")
             mm = placed[i]
@@ -124,8 +124,8 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         call.rid = call.rid or default_rid
         try:
             engine_requests = await self._build(request, default_rid)
-        except validation.RequestError as exc:
-            await context.abort_with_status(validation.to_status(exc))
+        except statuses.RequestError as exc:
+            await context.abort_with_status(statuses.to_status(exc))
             return
         priority = request.priority if request.HasField("priority") else 0
         async with self.frontend.admitted(context, engine_requests, priority) as admitted:
@@ -258,7 +258,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         try:
             adapter = await asyncio.to_thread(self.engine.lora.load, request.name, request.path, confined=True)
         except AdapterError as exc:
-            await context.abort_with_status(validation.to_status(validation.adapter_error(exc, exc.field or "path")))
+            await context.abort_with_status(statuses.to_status(statuses.adapter_error(exc, exc.field or "path")))
         info = next((a for a in self.engine.lora.list() if a.name == adapter.name), None)
         return generate_pb2.LoadLoraAdapterResponse(adapter=adapter_pb(info) if info is not None else None)
 
@@ -269,7 +269,7 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         try:
             self.engine.lora.unload(request.name)
         except AdapterError as exc:
-            await context.abort_with_status(validation.to_status(validation.adapter_error(exc, "name")))
+            await context.abort_with_status(statuses.to_status(statuses.adapter_error(exc, "name")))
         return generate_pb2.UnloadLoraAdapterResponse()
 
     async def ListLoraAdapters(
@@ -293,8 +293,8 @@ class GenerateService(generate_pb2_grpc.GenerateServiceServicer):
         vocab = self.engine.model_info.vocab_size
         bad = next((t for t in request.token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            await context.abort_with_status(validation.to_status(
-                validation.invalid("token_ids", f"token id {bad} outside [0, {vocab})")))
+            await context.abort_with_status(statuses.to_status(
+                statuses.invalid("token_ids", f"token id {bad} outside [0, {vocab})")))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await asyncio.to_thread(self.engine.tokenizer.decode, list(request.token_ids),
                                        skip_special_tokens=skip)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from lmrpc.server import validation
+from lmrpc.server import statuses, validation
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.types import EngineOutput, EngineRequest, Finish, LogprobOptions
 from lmrpc.server.frontend import Frontend, check_constraint
@@ -62,7 +62,7 @@ async def plan(req: openai_pb2.ChatCompleteRequest, frontend: Frontend, template
         continue_final_message=options.continue_final_message, template_kwargs=options.template_kwargs,
         placeholders=_placeholders(processor))
     if options.tool_mode == "auto" and not rendered.tool_format_known:
-        raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
+        raise statuses.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [statuses.Violation(
             "tool_choice", 'the chat template writes tool calls in a format this server does not parse (it parses '
                            'Hermes <tool_call> tags); use tool_choice "required" or a named function')])
     tokenizer = engine.tokenizer

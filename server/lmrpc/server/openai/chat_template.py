@@ -27,7 +27,7 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from lmrpc.server import validation
+from lmrpc.server import statuses
 from lmrpc.server.openai import tools as tool_calls
 from lmrpc.server.openai.validation import ToolSpec
 from lmrpc.v1 import openai_pb2
@@ -89,10 +89,10 @@ class ChatTemplate:
 
     def require(self) -> str:
         if self.unusable is not None:  # --chat-template's own file is checked at start: this is the tokenizer's
-            raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
+            raise statuses.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [statuses.Violation(
                 "chat_template", f"{self.unusable}; start the server with a --chat-template FILE that does")])
         if self.source is None:
-            raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
+            raise statuses.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [statuses.Violation(
                 "chat_template", "the model has no chat template (tokenizer_config.json has no chat_template); "
                                  "start the server with --chat-template FILE")])
         return self.source
@@ -111,7 +111,7 @@ class ChatTemplate:
         if used and not as_parts:
             missing = sorted(used - set(placeholders or {}))
             if missing:
-                raise validation.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [validation.Violation(
+                raise statuses.RequestError(grpc.StatusCode.FAILED_PRECONDITION, [statuses.Violation(
                     "chat_template", f"the chat template renders message content as text only and the model names "
                                      f"no placeholder text for {' or '.join(missing)} parts; start the server with a "
                                      "--chat-template that renders content lists")])
@@ -138,7 +138,7 @@ class ChatTemplate:
             # What a template (or transformers around it) raises on a conversation it cannot render: the template's
             # raise_exception(...) and undefined names are TemplateErrors, str + None in it a TypeError, and
             # transformers' checks (continue_final_message) ValueErrors.
-            raise validation.invalid("messages", f"the chat template cannot render them: {exc}") from exc
+            raise statuses.invalid("messages", f"the chat template cannot render them: {exc}") from exc
 
 
 def template_message(m: openai_pb2.ChatMessage, placeholders: Mapping[str, str] | None = None, *,

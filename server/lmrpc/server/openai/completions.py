@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
-from lmrpc.server import validation
+from lmrpc.server import statuses, validation
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOptions, PositionLogprobs, SamplingParams
 from lmrpc.server.frontend import check_constraint
@@ -53,7 +53,7 @@ async def plan(req: openai_pb2.CompleteRequest, engine: AsyncEngine, fim_tokens:
     validation.check_outputs(num_prompts * options.best_of, capacity, "best_of" if req.HasField("best_of") else "n")
     adapter = await validation.resolve_adapter(engine.lora, adapter_ref, adapter_field)
     if options.suffix and fim_tokens is None:
-        raise validation.invalid("suffix", "this model's tokenizer has no fill-in-the-middle tokens, so it cannot "
+        raise statuses.invalid("suffix", "this model's tokenizer has no fill-in-the-middle tokens, so it cannot "
                                            "complete text before a suffix")
     prompts, echo_texts = await asyncio.to_thread(_tokenize, req, engine, fim_tokens, options)
     field = "prompt" if req.prompt else "prompt_token_ids"

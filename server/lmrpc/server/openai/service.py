@@ -8,7 +8,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 
-from lmrpc.server import validation
+from lmrpc.server import statuses, validation
 from lmrpc.server.engine.types import EngineOutput, EngineRequest
 from lmrpc.server.frontend import Frontend
 from lmrpc.server.openai import chat, completions, fim
@@ -107,13 +107,13 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         default_rid = self.frontend.metadata_rid(context)
         call.rid = call.rid or default_rid
         try:
-            c = validation.Collector()
+            c = statuses.Collector()
             validation.check_sizes(c, [("", request)], self.frontend.server_config.limits)
             c.raise_if_any()
             rid = self.frontend.new_rid(request.rid or default_rid)
             plan = await build(rid)
-        except validation.RequestError as exc:
-            await context.abort_with_status(validation.to_status(exc))
+        except statuses.RequestError as exc:
+            await context.abort_with_status(statuses.to_status(exc))
             return
         priority = request.priority if request.HasField("priority") else 0
         async with self.frontend.admitted(context, list(plan.requests), priority) as requests:
@@ -127,4 +127,4 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
                         yield msg
             except EngineFailure as exc:
                 code = grpc.StatusCode.INVALID_ARGUMENT if exc.request_fault else grpc.StatusCode.INTERNAL
-                await context.abort(code, validation.clip(str(exc), validation.MAX_ERROR_BYTES))
+                await context.abort(code, validation.clip(str(exc), statuses.MAX_ERROR_BYTES))

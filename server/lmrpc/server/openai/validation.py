@@ -18,7 +18,7 @@ from lmrpc.server.engine.types import ConstraintKind, HiddenStatesMode
 from lmrpc.server.media.ingest import WireItem
 from lmrpc.server.media.types import Modality
 from lmrpc.server.models.types import ModelInfo
-from lmrpc.server.validation import Collector, RequestError, Violation
+from lmrpc.server.statuses import Collector, RequestError, Violation
 from lmrpc.v1 import generate_pb2, openai_pb2
 
 OpenAIRequest = Union[openai_pb2.CompleteRequest, openai_pb2.ChatCompleteRequest]  # noqa: UP007 (runtime alias)

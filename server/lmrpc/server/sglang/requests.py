@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from smg_grpc_proto import sglang_scheduler_pb2 as sgl
 
-from lmrpc.server import validation
+from lmrpc.server import statuses, validation
 from lmrpc.server.config import RequestLimits
 from lmrpc.server.engine.types import LogprobOptions, SamplingParams
 from lmrpc.server.models.types import ModelInfo
@@ -73,7 +73,7 @@ def to_lmrpc_sampling(sp: sgl.SamplingParams) -> generate_pb2.SamplingParams:
 def add_logit_bias(sp: sgl.SamplingParams, pb: generate_pb2.SamplingParams, vocab_size: int) -> None:
     """SMG's logit_bias (token ids as map<string, float> keys) into `pb`'s integer keys; a key that is no token id
     is a user error (the values are checked by resolve_sampling)."""
-    c = validation.Collector()
+    c = statuses.Collector()
     for key, value in sp.logit_bias.items():
         try:
             token = int(key)
@@ -89,8 +89,8 @@ def add_logit_bias(sp: sgl.SamplingParams, pb: generate_pb2.SamplingParams, voca
 def translate(req: sgl.GenerateRequest, info: ModelInfo, limits: RequestLimits, capacity: int,
               use_model_defaults: bool, processors_enabled: bool) -> Translated:
     """Check and resolve an SMG GenerateRequest: its counts first (nothing is built for a request past a bound),
-    then the prompt ids, sampling parameters and logprob options. Raises validation.RequestError."""
-    c = validation.Collector()
+    then the prompt ids, sampling parameters and logprob options. Raises statuses.RequestError."""
+    c = statuses.Collector()
     sp = req.sampling_params
     n = max(sp.n, 1)
     validation.check_outputs(n, capacity, "sampling_params.n" if n > 1 else "tokenized.input_ids")

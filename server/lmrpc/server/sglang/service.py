@@ -22,7 +22,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sgl
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as sgl_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from lmrpc.server import validation
+from lmrpc.server import statuses, validation
 from lmrpc.server.engine.async_engine import AsyncEngine
 from lmrpc.server.engine.types import EngineRequest
 from lmrpc.server.frontend import Frontend, check_constraint
@@ -88,8 +88,8 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
         try:
             rid = self.frontend.new_rid(request.request_id or None)
             built = await self._build(request, rid)
-        except validation.RequestError as exc:
-            await context.abort_with_status(validation.to_status(exc))
+        except statuses.RequestError as exc:
+            await context.abort_with_status(statuses.to_status(exc))
             return
         async with self.frontend.admitted(context, built) as admitted:
             call.queued(admitted)
@@ -117,7 +117,7 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
             try:
                 self.engine.processors.create(params.logit_processor, dict(params.processor_params))
             except (KeyError, ValueError) as exc:
-                raise validation.invalid("custom_logit_processor", str(exc).strip("'\"")) from exc
+                raise statuses.invalid("custom_logit_processor", str(exc).strip("'\"")) from exc
         if params.constraint is not None:
             params = await check_constraint(self.engine, params,
                                             requests.sampling_field(params.constraint.kind))
@@ -207,7 +207,7 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
                                               confined=True)
         except AdapterError as exc:
             field = {"path": "lora_path", "name": "lora_name"}.get(exc.field or "path", exc.field or "lora_path")
-            await context.abort_with_status(validation.to_status(validation.adapter_error(exc, field)))
+            await context.abort_with_status(statuses.to_status(statuses.adapter_error(exc, field)))
         self._lora_ids[request.lora_id or adapter.name] = adapter.name
         return sgl.LoadLoRAAdapterResponse(success=True, loaded_lora_ids=self._loaded_ids())
 
@@ -218,7 +218,7 @@ class SglangWorkerService(sgl_grpc.SglangSchedulerServicer):
         try:
             self.engine.lora.unload(name)
         except AdapterError as exc:
-            await context.abort_with_status(validation.to_status(validation.adapter_error(exc, "lora_name")))
+            await context.abort_with_status(statuses.to_status(statuses.adapter_error(exc, "lora_name")))
         self._lora_ids = {i: n for i, n in self._lora_ids.items() if n != name}
         return sgl.UnloadLoRAAdapterResponse(success=True, loaded_lora_ids=self._loaded_ids())
 
