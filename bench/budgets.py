@@ -19,7 +19,8 @@ import random
 import statistics
 
 import serverproc
-from served import Generate, LevelRun, level_run, lmrpc_generate
+from served_clients import Generate, lmrpc_generate
+from served_stats import LevelRun, level_run
 
 from lmrpc.client import AsyncClient
 

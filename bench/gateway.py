@@ -38,7 +38,6 @@ import asyncio
 import json
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -92,12 +91,6 @@ def host_name() -> str:
         if line.startswith("Model name:"):
             return line.split(":", 1)[1].strip()
     return "unknown"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gateway_send(client: openai.AsyncOpenAI, model: str, new_tokens: int) -> Send:
@@ -157,8 +150,8 @@ async def run_level(path: str, send: Send, batch: list[str], new_tokens: int, ti
 
 
 def start_smg(worker: str, policy: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    argv = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+    port = serverproc.free_port()
+    argv = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(serverproc.free_port()),
             "--worker-urls", f"grpc://{worker}", "--policy", policy, "--log-level", "warn"]
     print("smg:", shlex.join(argv), flush=True)
     # Its log is not read: DEVNULL, so a full pipe can never stall it.

@@ -312,7 +312,7 @@ def check_lmrpc(path: Path) -> str:
 
 def check_llama(llama_server: str, path: Path, threads: int) -> str:
     """Start llama-server on the file, generate CHECK_TOKENS greedy tokens, stop it; a line saying what happened."""
-    port = free_port()
+    port = serverproc.free_port()
     argv = [llama_server, "-m", str(path), "-t", str(threads), "-c", "1024", "--port", str(port), "--host", "127.0.0.1"]
     # Its log goes to a file: a pipe nobody reads would fill up and stop the server mid-load
     with tempfile.TemporaryFile() as log:
@@ -347,14 +347,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_json(port: int, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any] | None:
