@@ -12,11 +12,12 @@ special ids, chat template) is copied from the bundled GGUF, so prompts of token
 tokens to every file.
 
 Each shape is written once as F16 (F32 norms), tensor by tensor, so a 1.7B file needs a few hundred MB of RAM, not
-several GB; llama-quantize (from bench/build_llamacpp.sh, run here unless --llama-quantize is given) then makes
-the siblings of --types: Q4_0 --pure (every tensor Q4_0, token embeddings included: what llama.cpp runs fastest on
-a CPU, repacked at load into interleaved blocks), Q4_K_M and Q8_0 (llama.cpp's default mixtures). Everything is
-cached in $LMRPC_BENCH_CACHE/models (default ~/.cache/lmrpc-bench/models, where bench/build_llamacpp.sh puts its
-GGUFs); a second run finds the files and only prints their paths, one `GGUF=<path>` line each.
+several GB; llama-quantize (from bench/build_llamacpp.sh, run here unless --llama-quantize is given) then makes the
+siblings of --types: Q4_0 --pure (every tensor Q4_0, token embeddings included: what llama.cpp runs fastest on a
+CPU, repacked at load into interleaved blocks), Q4_K_M and Q8_0 (llama.cpp's default mixtures; on request Q3_K_M,
+IQ4_XS). Everything is cached in $LMRPC_BENCH_CACHE/models (default ~/.cache/lmrpc-bench/models, where
+bench/build_llamacpp.sh puts its GGUFs); a second run finds the files and only prints their paths, one `GGUF=<path>`
+line each.
 
 --check starts lmrpc-server (--model FILE) and llama-server (-m FILE) on each file in turn and has each greedily
 generate a few tokens from the same token-id prompt: that both load the file, and what they make of it.
@@ -83,7 +84,10 @@ QUANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "Q4_0-pure": ("Q4_0", ("--pure",)),  # every tensor Q4_0: llama.cpp's fastest CPU configuration
     "Q4_K_M": ("Q4_K_M", ()),  # the mixture most published GGUFs use
     "Q8_0": ("Q8_0", ()),
+    "Q3_K_M": ("Q3_K_M", ()),  # on request (--types): the smaller mixtures, Q3_K with Q4_K, Q5_K, Q6_K beside it
+    "IQ4_XS": ("IQ4_XS", ()),  # the non-linear 4-bit format, made without an importance matrix
 }
+DEFAULT_TYPES = ("Q4_0-pure", "Q4_K_M", "Q8_0")
 
 
 # ---- where things are ------------------------------------------------------------------------------------------
@@ -371,8 +375,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(DEFAULT_SHAPES),
                    help=f"model shapes to write ({' '.join(DEFAULT_SHAPES)})")
-    p.add_argument("--types", nargs="*", choices=list(QUANTS), default=list(QUANTS),
-                   help=f"quantized siblings to make with llama-quantize ({' '.join(QUANTS)}; none: F16 only)")
+    p.add_argument("--types", nargs="*", choices=list(QUANTS), default=list(DEFAULT_TYPES),
+                   help=f"quantized siblings to make with llama-quantize, of {' '.join(QUANTS)} (default "
+                   f"{' '.join(DEFAULT_TYPES)}; none: F16 only)")
     p.add_argument("--llama-quantize", help="llama-quantize binary (default: from bench/build_llamacpp.sh)")
     p.add_argument("--check", action="store_true",
                    help="start lmrpc-server and llama-server on every file and generate a few tokens")

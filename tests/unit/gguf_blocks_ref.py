@@ -1,5 +1,5 @@
 """GGUF test blocks and what gguf's own `dequantize` says they stand for: random blocks of each format served as
-blocks (Q4_K, Q5_K and Q6_K as raw random bytes with valid fp16 scales, gguf has no quantizer for them; Q5_0 and
+blocks (the K-quants and IQ4s as raw random bytes with valid fp16 scales, gguf has no quantizer for them; Q5_0 and
 Q5_1 through `gguf.quants.quantize`), and each block's codes, group scales and offsets read back through
 `gguf.quants.dequantize` alone (probing copies of the blocks with chosen codes and scales), independent of our
 loader."""
@@ -12,7 +12,8 @@ import gguf
 import numpy as np
 
 T = gguf.GGMLQuantizationType
-FORMATS = {"q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K, "q5_0": T.Q5_0, "q5_1": T.Q5_1}
+FORMATS = {"q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K, "q5_0": T.Q5_0, "q5_1": T.Q5_1, "q3_k": T.Q3_K,
+           "q2_k": T.Q2_K, "iq4_nl": T.IQ4_NL, "iq4_xs": T.IQ4_XS}
 # The 4-bit formats that serve through the Q4 layout (the int8-activation products read only those).
 Q4_FORMATS = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K}
 _ALL = FORMATS | Q4_FORMATS
@@ -55,8 +56,10 @@ def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
         return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
     size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
-    if qtype == T.Q6_K:
-        b[..., 208:210] = _fp16(rng, (n, k // size), 1e-4, 2e-3)
+    halves = {T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82), T.IQ4_NL: (0,), T.IQ4_XS: (0,)}.get(qtype)
+    if halves is not None:
+        for at in halves:
+            b[..., at : at + 2] = _fp16(rng, (n, k // size), 1e-4, 2e-3)
     else:
         b[..., 0:2] = _fp16(rng, (n, k // size), 1e-4, 2e-3)
         b[..., 2:4] = _fp16(rng, (n, k // size), 1e-4, 2e-3)
@@ -100,6 +103,29 @@ def reference(fmt: str, raw: np.ndarray, n: int, k: int) -> Reference:
         scale = per_group(probe((0, 128, 0x11), (128, 192, 0xAA)), 16)  # q = 33: 1 * d * sc
         d = per_group(probe((0, 128, 0x11), (128, 192, 0xAA), (192, 208, 1)), 256)  # 1 * d * 1
         return Reference(values, codes, scale, None, 16, KParts(d, _quotient(scale, d, 16), None, None, 16))
+    if qtype == T.Q3_K:  # value (q - 4) * (d * (sc - 32)); scale bytes 0x11 and 0xAA: every sc - 32 = 1
+        unit = ((96, 104, 0x11), (104, 108, 0xAA))
+        codes = probe((108, 110, ONE), *unit)
+        scale = per_group(probe((32, 96, 0x55), (0, 32, 0xFF)), 16)  # every q - 4 = 1: d * (sc - 32)
+        d = per_group(probe((32, 96, 0x55), (0, 32, 0xFF), *unit), 256)
+        return Reference(values, codes, scale, None, 16, KParts(d, _quotient(scale, d, 16), None, None, 16))
+    if qtype == T.Q2_K:  # value q * (d * sc) - dmin * m; scale byte: sc low nibble, m high
+        codes = probe((80, 82, ONE), (82, 84, 0), (0, 16, 0x01))
+        scale = per_group(probe((82, 84, 0), (16, 80, 0x55)), 16)  # every q = 1
+        offset = per_group(probe((16, 80, 0)), 16)  # q = 0: -dmin * m
+        d = per_group(probe((82, 84, 0), (0, 16, 0x01), (16, 80, 0x55)), 256)
+        dmin = -per_group(probe((0, 16, 0x10)), 256)  # sc = 0, m = 1
+        return Reference(values, codes, scale, offset, 16,
+                         KParts(d, _quotient(scale, d, 16), dmin, _quotient(-offset, dmin, 16), 16))
+    if qtype == T.IQ4_NL:  # value T[i] * d; T[8] = 1
+        codes = probe((0, 2, ONE))
+        return Reference(values, codes, per_group(probe((2, 18, 0x88)), 32), None, 32)
+    if qtype == T.IQ4_XS:  # value T[i] * (d * (sc - 32)); bytes 2-3 0xAA and 4-7 0x11: every sc - 32 = 1
+        unit = ((2, 4, 0xAA), (4, 8, 0x11))
+        codes = probe((0, 2, ONE), *unit)
+        scale = per_group(probe((8, 136, 0x88)), 32)
+        d = per_group(probe((8, 136, 0x88), *unit), 256)
+        return Reference(values, codes, scale, None, 32, KParts(d, _quotient(scale, d, 8), None, None, 8))
     if qtype == T.Q4_0:  # value (q - 8) * d
         codes = probe((0, 2, ONE))
         scale = per_group(probe((2, 18, 0x99)), 32)  # q = 9

@@ -1,7 +1,7 @@
-"""GGUF's Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks served as blocks: repacked by the loader's path
-(kernels/gguf_blocks.py), the weight they stand for is gguf's `dequantize` to the bit, and every product equals,
-bit for bit, a reference built from gguf's `dequantize` alone (gguf_blocks_ref.py) and computed in the kernels'
-order of operations, for every row count and however rows are split between threads.
+"""GGUF's Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q3_K, Q2_K, IQ4_NL and IQ4_XS blocks served as blocks: repacked by the loader's
+path (kernels/gguf_blocks.py), the weight they stand for is gguf's `dequantize` to the bit, and every product equals,
+bit for bit, a reference built from gguf's `dequantize` alone (gguf_blocks_ref.py) and computed in the kernels' order
+of operations, for every row count and however rows are split between threads.
 
 The kernels' order, per row and output (csrc/linear_kernels.h): for each group in order, its inputs' products in
 one running sum (float32 products: even and odd inputs in two sums, added at the group's end; bfloat16 products, the
@@ -170,12 +170,16 @@ def test_4_bit_blocks_go_straight_into_the_layout_pack_q4_makes_of_their_codes(g
 
 def test_bits_per_weight_stay_near_the_files() -> None:
     # Q4_K, the bulk of a Q4_K_M file, keeps 4-bit codes and its scales as stored: 4.625 bits a weight (file 4.5);
-    # the 5- and 6-bit formats take 6-bit codes (Q6) and their scales as stored (Q6_K: the file's 6.5625).
+    # the 5- and 6-bit formats take 6-bit codes (Q6) and their scales as stored (Q6_K: the file's 6.5625), and so
+    # do the 2- and 3-bit K-quants; the IQ4s hold their table's int8 values (Q8).
     n, k = 64, 1024
-    for fmt, most in {"q4_k": 4.625, "q6_k": 6.5625, "q5_k": 6.625, "q5_0": 6.5, "q5_1": 7.0}.items():
+    q4, q6, q8 = packing.WeightFormat.Q4, packing.WeightFormat.Q6, packing.WeightFormat.Q8
+    for fmt, (most, layout) in {"q4_k": (4.625, q4), "q6_k": (6.5625, q6), "q5_k": (6.625, q6), "q5_0": (6.5, q6),
+                                "q5_1": (7.0, q6), "q3_k": (6.5625, q6), "q2_k": (7.125, q6), "iq4_nl": (8.5, q8),
+                                "iq4_xs": (8.3125, q8)}.items():
         p, _ = load(fmt, n, k)
         assert p.nbytes * 8 / (n * k) <= most, fmt
-        assert p.format == (packing.WeightFormat.Q4 if fmt == "q4_k" else packing.WeightFormat.Q6), fmt
+        assert p.format == layout, fmt
 
 
 def test_the_6_bit_layout_holds_every_code_and_refuses_wider_ones() -> None:

@@ -1,12 +1,12 @@
 """GGUF files in the new block formats served end to end (tiny_gguf.py writes them):
 
-- a tiny 2-layer Llama with every matrix in Q4_K, Q5_K, Q6_K, Q5_0 or Q5_1, or in Q4_K_M's mix (v and down in
-  Q6_K: the fused qkv holds both), is served as its blocks (GetModelInfo names the formats) and gives one request
-  the same greedy tokens alone, in a batch, with its prompt prefilled in chunks of 16 tokens, and as a prefix-cache
-  hit;
-- SmolLM2 with its MLP down projections in Q4_K and Q6_K (Q4_K_M's mix) decodes, under teacher forcing, the greedy
-  token of its own dequantized dense model (float32) at >= 97% of 320 positions, served as blocks with bfloat16
-  activations.
+- a tiny 2-layer Llama with every matrix in Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q3_K, Q2_K, IQ4_NL or IQ4_XS, or in
+  Q4_K_M's mix (v and down in Q6_K: the fused qkv holds both), is served as its blocks (GetModelInfo names the
+  formats) and gives one request the same greedy tokens alone, in a batch, with its prompt prefilled in chunks of
+  16 tokens, and as a prefix-cache hit;
+- SmolLM2 with its MLP down projections in Q4_K and Q6_K (Q4_K_M's mix), in Q3_K and IQ4_XS, or in Q2_K and IQ4_NL
+  decodes, under teacher forcing, the greedy token of its own dequantized dense model (float32) at >= 97% of 320
+  positions, served as blocks with bfloat16 activations.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOption
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not native.available(), reason="blocks need the native kernels")]
 
-FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
+FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs")
 NEW = 16
 _ids = iter(range(10**9))
 
@@ -102,12 +102,21 @@ def test_a_tiny_model_in_each_format_gives_the_same_tokens_on_every_route(fmt: s
         chunked.shutdown()
 
 
-@pytest.fixture(scope="module")
-def k_quant_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AsyncEngine, AsyncEngine]]:
-    path = write_smollm2_k_quant(tmp_path_factory.mktemp("k-quant") / "smollm2-q4_k_m.gguf")
+# The down projections' formats (even layers, odd layers): Q4_K_M's mix, then the 3- and 2-bit K-quants each beside
+# an IQ4 format.
+MIXES = {"q4_k+q6_k": (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K),
+         "q3_k+iq4_xs": (gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.IQ4_XS),
+         "q2_k+iq4_nl": (gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.IQ4_NL)}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXES))
+def k_quant_engines(request: pytest.FixtureRequest,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, AsyncEngine, AsyncEngine]]:
+    even, odd = MIXES[request.param]
+    path = write_smollm2_k_quant(tmp_path_factory.mktemp("k-quant") / f"smollm2-{request.param}.gguf", even, odd)
     dense = start(path, "float32", "none")
     blocks = start(path, "bfloat16", "auto")
-    yield dense, blocks
+    yield request.param, dense, blocks
     dense.shutdown()
     blocks.shutdown()
 
@@ -121,11 +130,12 @@ def scored(engine: AsyncEngine, ids: list[int], first: int) -> list[int]:
 
 
 def test_a_k_quant_model_agrees_with_its_dense_model_under_teacher_forcing(
-        k_quant_engines: tuple[AsyncEngine, AsyncEngine], smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
-    dense, blocks = k_quant_engines
+        k_quant_engines: tuple[str, AsyncEngine, AsyncEngine], smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+    mix, dense, blocks = k_quant_engines
     assert dense.model_info.quantization == "none"
-    assert blocks.model_info.weight_formats == ("q4_1", "q4_k", "q6_k", "q8_0")
-    assert blocks.model_info.quantization == "Q4_1+Q4_K+Q6_K+Q8_0"
+    formats = tuple(sorted(("q4_1", "q8_0", *mix.split("+"))))
+    assert blocks.model_info.weight_formats == formats
+    assert blocks.model_info.quantization == "+".join(f.upper() for f in formats)
     agree = total = 0
     for text in PROMPTS:
         prompt = chat(smollm2_tokenizer, text)
@@ -133,6 +143,6 @@ def test_a_k_quant_model_agrees_with_its_dense_model_under_teacher_forcing(
         reference, ours = scored(dense, ids, len(prompt)), scored(blocks, ids, len(prompt))
         agree += sum(r == o for r, o in zip(reference, ours, strict=True))
         total += len(reference)
-    print(f"K-quant blocks (bf16 activations) top-1 = dense top-1 at {agree}/{total} positions")
+    print(f"{mix} blocks (bf16 activations) top-1 = dense top-1 at {agree}/{total} positions")
     assert total == len(PROMPTS) * CONTINUATION
     assert agree / total >= 0.97

@@ -2,9 +2,10 @@
 256) with its matrices in one block format, and the real SmolLM2 with its MLP down projections re-quantized to
 Q4_K and Q6_K as llama-quantize's Q4_K_M does (its other widths, 576, are no multiple of 256).
 
-K-quants have no quantizer in the gguf package: `quantize_q4_k` and `quantize_q6_k` are plain ones of our own
-(scales from each sub-block's range, no search), enough for weights a model can run on; what is served is checked
-against gguf's own `dequantize` of whatever bytes they write."""
+K-quants and the IQ4s have no quantizer in the gguf package: `quantize_q4_k`, `quantize_q6_k`, `quantize_q3_k`,
+`quantize_q2_k`, `quantize_iq4_nl` and `quantize_iq4_xs` are plain ones of our own (scales from each sub-block's
+range, no search), enough for weights a model can run on; what is served is checked against gguf's own
+`dequantize` of whatever bytes they write."""
 
 from __future__ import annotations
 
@@ -67,11 +68,91 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
                           axis=-1).reshape(n, -1)
 
 
+def _two_bit_bytes(c: np.ndarray) -> np.ndarray:
+    """2-bit codes [n, S, 256] -> Q2_K's and Q3_K's qs [n, S, 64]: per half of 128, element 32 j + l in bits 2j,
+    2j + 1 of the half's byte l."""
+    q = c.reshape(*c.shape[:2], 2, 4, 32)
+    return (q[..., 0, :] | (q[..., 1, :] << 2) | (q[..., 2, :] << 4) | (q[..., 3, :] << 6)).reshape(*c.shape[:2], 64)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> Q3_K blocks, uint8 [n, k / 256 * 110]: per 16, value (c - 4) * d * (sc - 32), c 0..7."""
+    n, k = w.shape
+    x = w.reshape(n, k // 256, 16, 16)
+    step = np.abs(x).max(-1) / 4
+    d_bytes, d = _fp16(step.max(-1) / 31)
+    sc = np.clip(np.round(_ratio(step, d[..., None])), 0, 31).astype(np.int16)  # sc - 32 >= 0
+    scale = d[..., None] * sc
+    c = (np.clip(np.round(_ratio(x, np.broadcast_to(scale[..., None], x.shape))), -4, 3) + 4).astype(np.uint8)
+    c = c.reshape(n, k // 256, 256)
+    hmask = np.zeros((n, k // 256, 32), np.uint8)
+    for i in range(8):  # bit i of byte l: element 32 i + l's code >= 4
+        hmask |= (c[..., 32 * i : 32 * i + 32] >> 2) << i
+    s6 = (sc + 32).astype(np.uint8)  # [n, S, 16]
+    low = (s6[..., :8] & 15) | ((s6[..., 8:] & 15) << 4)
+    top = (s6 >> 4).reshape(n, k // 256, 4, 4)  # [.., g // 4, g % 4]
+    high = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+    return np.concatenate([hmask, _two_bit_bytes(c & 3), low, high, d_bytes], axis=-1).reshape(n, -1)
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> Q2_K blocks, uint8 [n, k / 256 * 84]: per 16, value q * d * sc - dmin * m, q 0..3."""
+    n, k = w.shape
+    x = w.reshape(n, k // 256, 16, 16)
+    low = np.minimum(x.min(-1), 0)
+    step = (x.max(-1) - low) / 3
+    d_bytes, d = _fp16(step.max(-1) / 15)
+    m_bytes, dmin = _fp16(-low.min(-1) / 15)
+    sc = np.clip(np.round(_ratio(step, d[..., None])), 0, 15).astype(np.uint8)
+    m = np.clip(np.round(_ratio(-low, dmin[..., None])), 0, 15).astype(np.uint8)
+    scale, offset = d[..., None] * sc, dmin[..., None] * m
+    q = np.clip(np.round(_ratio(x + offset[..., None], np.broadcast_to(scale[..., None], x.shape))), 0, 3)
+    qs = _two_bit_bytes(q.astype(np.uint8).reshape(n, k // 256, 256))
+    return np.concatenate([sc | (m << 4), qs, d_bytes, m_bytes], axis=-1).reshape(n, -1)
+
+
+IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)  # the 16 values IQ4_NL's and IQ4_XS's codes index
+
+
+def _iq4_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The nearest table value's index for x / scale: x [..., 32], scale [...] -> [..., 32] uint8 (0..15)."""
+    r = _ratio(x, np.broadcast_to(scale[..., None], x.shape))
+    return np.abs(r[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
+
+
+def _nibble_pairs(q: np.ndarray) -> np.ndarray:
+    """Codes [..., 32] -> 16 bytes: element j in the low nibble of byte j, element j + 16 in its high nibble."""
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> IQ4_NL blocks, uint8 [n, k / 32 * 18]: per 32, value T[i] * d."""
+    n, k = w.shape
+    x = w.reshape(n, k // 32, 32)
+    d_bytes, d = _fp16(np.abs(x).max(-1) / 127)
+    return np.concatenate([d_bytes, _nibble_pairs(_iq4_codes(x, d))], axis=-1).reshape(n, -1)
+
+
+def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> IQ4_XS blocks, uint8 [n, k / 256 * 136]: per 32, value T[i] * d * (sc - 32)."""
+    n, k = w.shape
+    x = w.reshape(n, k // 256, 8, 32)
+    step = np.abs(x).max(-1) / 127
+    d_bytes, d = _fp16(step.max(-1) / 31)
+    sc = np.clip(np.round(_ratio(step, d[..., None])), 0, 31).astype(np.int16)
+    codes = _iq4_codes(x, d[..., None] * sc)  # [n, S, 8, 32]
+    s6 = (sc + 32).astype(np.uint16)  # [n, S, 8]
+    high = ((s6 >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)  # [n, S]
+    low = (s6[..., 0::2] & 15) | ((s6[..., 1::2] & 15) << 4)
+    return np.concatenate([d_bytes, high[..., None].view(np.uint8), low.astype(np.uint8),
+                           _nibble_pairs(codes).reshape(n, k // 256, 128)], axis=-1).reshape(n, -1)
+
+
 def quantize(w: np.ndarray, qtype: T) -> np.ndarray:
-    if qtype == T.Q4_K:
-        return quantize_q4_k(w)
-    if qtype == T.Q6_K:
-        return quantize_q6_k(w)
+    own = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k, T.Q3_K: quantize_q3_k, T.Q2_K: quantize_q2_k,
+           T.IQ4_NL: quantize_iq4_nl, T.IQ4_XS: quantize_iq4_xs}
+    if qtype in own:
+        return own[qtype](w)
     if qtype == T.Q5_K:  # Q4_K's scales with a fifth bit: codes doubled from Q4_K's grid (a coarse but valid Q5_K)
         q4 = quantize_q4_k(w).reshape(w.shape[0], -1, 144)
         high = np.zeros((*q4.shape[:2], 32), np.uint8)
@@ -148,9 +229,10 @@ def write_tiny_llama(path: Path, qtype: T, seed: int = 0, v_down: T | None = Non
     return path
 
 
-def write_smollm2_k_quant(path: Path) -> Path:
-    """SmolLM2 with its MLP down projections (1536 wide) re-quantized from the file's values: Q6_K in every other
-    layer, Q4_K in the rest (Q4_K_M's mix); every other tensor as the file has it."""
+def write_smollm2_k_quant(path: Path, even: T = T.Q4_K, odd: T = T.Q6_K) -> Path:
+    """SmolLM2 with its MLP down projections (1536 wide) re-quantized from the file's values: `odd` in every other
+    layer, `even` in the rest (by default Q4_K_M's mix: Q4_K, and Q6_K in the odd layers); every other tensor as the
+    file has it."""
     src = bundled()
     out = gguf.GGUFWriter(str(path), "llama")
     _copy_fields(src, out, ("general.", "llama.", "tokenizer."))
@@ -160,7 +242,7 @@ def write_smollm2_k_quant(path: Path) -> Path:
             layer = int(t.name.split(".")[1])
             n, k = int(t.shape[1]), int(t.shape[0])
             values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(n, k)
-            qtype = T.Q6_K if layer % 2 else T.Q4_K
+            qtype = odd if layer % 2 else even
             tensors[t.name] = (quantize(values, qtype), qtype)
         else:
             tensors[t.name] = (np.asarray(t.data), t.tensor_type)

@@ -12,10 +12,16 @@ Each format's values are exactly those of gguf's `dequantize` (the reference; th
 | Q4_K | 256: fp16 d, dmin; 8 x (6-bit sc, m, 32 x 4-bit q) | Q4, KScales | q * (d * sc) - dmin * m | 4.625 (4.5) |
 | Q5_K | 256: as Q4_K with 5-bit q | Q6 (q), KScales | q * (d * sc) - dmin * m | 6.625 (5.5) |
 | Q6_K | 256: fp16 d; 16 x (int8 sc, 16 x 6-bit q) | Q6 (q - 32), KScales (16s) | (q - 32) * (d * sc) | 6.56 (6.56) |
+| Q3_K | 256: fp16 d; 16 x (6-bit sc, 3-bit q) | Q6 (q - 4), KScales (16s) | (q - 4) * (d * (sc-32)) | 6.56 (3.44) |
+| Q2_K | 256: fp16 d, dmin; 16 x (4-bit sc, m; q) | Q6 (q), KScales (16s) | q * (d * sc) - dmin * m | 7.13 (2.63) |
+| IQ4_NL | 32: fp16 d, 4-bit index i | Q8 (T[i]), fp16 scale | T[i] * d | 8.5 (4.5) |
+| IQ4_XS | 256: fp16 d; 8 x (6-bit sc, 32 x 4-bit i) | Q8 (T[i]), KScales | T[i] * (d * (sc - 32)) | 8.31 (4.25) |
 
 Q5_0, Q5_1, Q5_K and Q6_K hold their codes in 6 bits (packing.py's Q6: the products decode them into Q8's vectors
 a group at a time), so a Q5_K_M file's bulk takes 6.6 bits a weight against the file's 5.5, and Q4_K_M's Q6_K
-tensors (the output projection, some v and down projections) their own size.
+tensors (the output projection, some v and down projections) their own size. Q3_K and Q2_K take the same 6-bit
+layout: the same kernels, about twice the file's bits but less than half of bfloat16's. IQ4_NL and IQ4_XS index a
+table T of 16 int8 values (gguf's `IQ4_NL.kvalues`): held as those int8 values, value for value the file's.
 
 Everything here is numpy/torch on the host, run once per tensor at load, 2048 rows at a time (CHUNK_ROWS). The 4-bit
 formats (Q4_0, Q4_1, Q4_K: the bulk of most files) go from their blocks' bytes to the kernels' layout by 32-bit word
@@ -31,9 +37,12 @@ from lmrpc.kernels import packing
 from lmrpc.kernels.packing import PackedWeight, WeightFormat
 
 # ggml type ids
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
-BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
-         Q5_K: (256, 176), Q6_K: (256, 210)}  # per ggml type: (elements, bytes) of a block
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
+BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q2_K: (256, 84),
+         Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18),
+         IQ4_XS: (256, 136)}  # per ggml type: (elements, bytes) of a block
+# IQ4_NL's and IQ4_XS's 16 code values (ggml's kvalues_iq4nl), indexed by a block's 4-bit codes
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 SUPPORTED = frozenset(BLOCK)
 
 
@@ -110,6 +119,9 @@ def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
         data = packing.q4_tiles(torch.from_numpy(chunks.view(np.uint8).reshape(n, -1, 8, 2)), signed=not with_min)
         return packing.pack_q4_tiled(data, n, k, _fp16(b[..., 0:2]), _fp16(b[..., 2:4]) if with_min else None)
     d = _halves(b[..., 0:2])  # [n, groups]
+    if ggml_type == IQ4_NL:  # element i: the low nibble of byte i, element i + 16: its high nibble (as Q4_0)
+        q = IQ4_VALUES[_nibbles(b[..., 2:]).reshape(n, -1, 32)]
+        return packing.pack_q8(_tensor(q, n, k, torch.int8), d, 32, name="iq4_nl")
     if ggml_type == Q8_0:
         return packing.pack_q8(_tensor(b[..., 2:].view(np.int8), n, k, torch.int8), d, 32)
     m = _halves(b[..., 2:4]) if with_min else None
@@ -122,6 +134,8 @@ def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
 
 def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     """Super-blocks of 256 with their scales as stored (packing.KScales)."""
+    if ggml_type in _PACK_K:
+        return _PACK_K[ggml_type](b, n, k)
     if ggml_type == Q6_K:
         ql, qh, sc = b[..., 0:128], b[..., 128:192], b[..., 192:208].view(np.int8)
         d = _halves(b[..., 208:210])  # [n, supers]
@@ -145,3 +159,53 @@ def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
     q = q | (_bits(b[..., 16:48], 8) << 4)  # bit j of byte i: the fifth bit of sub-block j's element i
     return packing.pack_k(WeightFormat.Q6, _tensor(q.astype(np.int8), n, k, torch.int8), 32, ks, "q5_k")
+
+
+def _two_bits(qs: np.ndarray, n: int) -> np.ndarray:
+    """Q2_K's and Q3_K's 2-bit codes: [n, supers, 64] bytes -> [n, supers, 256] (0..3). Per half of 128 elements,
+    element 32 j + l is bits 2j, 2j + 1 of the half's byte l."""
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]
+    return ((qs.reshape(n, -1, 2, 1, 32) >> shifts) & 3).reshape(n, -1, 256)
+
+
+def _pack_q3_k(b: np.ndarray, n: int, k: int) -> PackedWeight:
+    """Q3_K: hmask [32], qs [64], scales [12], d. Element 32 i + l (i = 0..7 over both halves): its two bits as
+    Q2_K's, minus 4 unless bit i of hmask byte l is set. Group g's 6-bit scale, less 32: the low 4 bits are byte g's
+    low nibble (g < 8) or byte g - 8's high one, the top 2 are bits 2 (g // 4), 2 (g // 4) + 1 of byte 8 + g % 4."""
+    hmask, qs, scales = b[..., 0:32], b[..., 32:96], b[..., 96:108]
+    d = _halves(b[..., 108:110])  # [n, supers]
+    high = _bits(hmask, 8).reshape(n, -1, 256)  # bit i of byte l: element 32 i + l
+    q = _two_bits(qs, n).astype(np.int8) - 4 * (1 - high.astype(np.int8))  # -4..3
+    low = _nibbles(scales[..., 0:8]).reshape(n, -1, 16)  # i < 8: low nibble of byte i; then the high nibbles
+    top = (scales[..., 8:12].reshape(n, -1, 1, 4) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    sc = (low | (top.reshape(n, -1, 16) << 4)).astype(np.int8) - 32
+    ks = packing.pack_kscales(d, None, _tensor(sc, n, k // 16, torch.int8), None, 16)
+    return packing.pack_k(WeightFormat.Q6, _tensor(q, n, k, torch.int8), 16, ks, "q3_k")
+
+
+def _pack_q2_k(b: np.ndarray, n: int, k: int) -> PackedWeight:
+    """Q2_K: scales [16] (group i: sc in the low nibble of byte i, m in the high one), qs [64], d, dmin."""
+    scales, qs = b[..., 0:16], b[..., 16:80]
+    d, dmin = _halves(b[..., 80:82]), _halves(b[..., 82:84])
+    ks = packing.pack_kscales(d, dmin, _tensor(scales & 0x0F, n, k // 16, torch.uint8),
+                              _tensor(scales >> 4, n, k // 16, torch.uint8), 16)
+    return packing.pack_k(WeightFormat.Q6, _tensor(_two_bits(qs, n).astype(np.int8), n, k, torch.int8), 16, ks,
+                          "q2_k")
+
+
+def _pack_iq4_xs(b: np.ndarray, n: int, k: int) -> PackedWeight:
+    """IQ4_XS: d, scales_h (a little-endian uint16: bits 2i, 2i + 1 the top of group i's scale), scales_l [4]
+    (group i's low 4 bits: byte i // 2, low nibble first), qs [128] (group g: 16 bytes, elements j and j + 16 in the
+    low and high nibbles of byte j)."""
+    d = _halves(b[..., 0:2])  # [n, supers]
+    scales_h = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)  # [n, supers, 1]
+    low = _nibbles(b[..., 4:8]).transpose(0, 1, 3, 2).reshape(n, -1, 8)  # group 2j + e: nibble e of byte j
+    top = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, supers, 8]
+    sc = (low | (top.astype(np.uint8) << 4)).astype(np.int8) - 32
+    q = IQ4_VALUES[_nibbles(b[..., 8:136].reshape(n, -1, 8, 16)).reshape(n, -1, 256)]
+    ks = packing.pack_kscales(d, None, _tensor(sc, n, k // 32, torch.int8), None, 8)
+    return packing.pack_k(WeightFormat.Q8, _tensor(q, n, k, torch.int8), 32, ks, "iq4_xs")
+
+
+# the super-block formats with a packer of their own
+_PACK_K = {Q3_K: _pack_q3_k, Q2_K: _pack_q2_k, IQ4_XS: _pack_iq4_xs}

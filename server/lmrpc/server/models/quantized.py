@@ -9,8 +9,8 @@ Formats, by `--quantization`:
 - int4: a GGUF file's own blocks as they are (as auto); from a dense checkpoint, asymmetric
   int4 in groups of 32 (Q4_1's scheme), with the output projection in int8 (it decides every token; 4 bits cost it
   most).
-- auto: a GGUF file's own formats where a kernel exists (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
-  kernels/gguf_blocks.py), everything else dense; a dense checkpoint stays dense.
+- auto: a GGUF file's own formats where a kernel exists (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to
+  Q6_K, IQ4_NL, IQ4_XS: kernels/gguf_blocks.py), everything else dense; a dense checkpoint stays dense.
 Activations enter products rounded to bfloat16 when the model dtype is bfloat16, else in float32.
 """
 
