@@ -13,7 +13,8 @@ Needs only grpcio, grpcio-status, grpcio-health-checking and protobuf (no torch)
 
 from __future__ import annotations
 
-from lmrpc.client.client import DEFAULT_TARGET, AsyncClient, Client, channel_options, tls
+from lmrpc.client.channel import DEFAULT_TARGET, channel_options, tls
+from lmrpc.client.client import AsyncClient, Client
 from lmrpc.client.convert import SamplingParamsLike, response_format, sampling_params_to_pb
 from lmrpc.client.errors import FieldViolation, LmrpcError
 from lmrpc.client.lora_calls import LoraAdapter

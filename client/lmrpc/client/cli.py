@@ -20,8 +20,9 @@ from typing import Any, TextIO
 import grpc
 
 from lmrpc.client import cli_openai
+from lmrpc.client.channel import DEFAULT_TARGET, tls
 from lmrpc.client.cli_output import file_or_text, print_json, unescape
-from lmrpc.client.client import DEFAULT_TARGET, Client, tls
+from lmrpc.client.client import Client
 from lmrpc.client.errors import LmrpcError
 from lmrpc.client.results import FinishReason, GenerateDelta, GenerateResult, ServingStatus, merge
 
