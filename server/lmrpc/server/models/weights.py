@@ -1,9 +1,9 @@
 """Where a model's tensors come from: a Hugging Face safetensors directory, or a GGUF file read as it is.
 
 Both answer by Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`). A GGUF file's Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices are handed over as their own integer codes and scales
-(`PackedWeight`, kernels/gguf_blocks.py; never dequantized), so they are served with exactly the file's weights;
-other tensors are dequantized to float32 with the gguf package.
+Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices are handed over as their own integer
+codes and scales (`PackedWeight`, kernels/gguf_blocks.py; never dequantized), so they are served with exactly the
+file's weights; other tensors are dequantized to float32 with the gguf package.
 llama.cpp stores the rows of Llama's q and k projections interleaved for its RoPE; they are put back in Hugging
 Face's order here (a row permutation: of the blocks' bytes before packing, or of dense values).
 """
