@@ -34,10 +34,11 @@ from lmrpc.server.engine.live import (
     apply_backpressure,
 )
 from lmrpc.server.engine.outbox import Outbox
-from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingRow, SamplingState, prompt_logprobs
+from lmrpc.server.engine.sampler import Sampler, SampleResultRow, SamplingState, prompt_logprobs
 from lmrpc.server.engine.scheduler import Scheduler
 from lmrpc.server.engine.sequence import ScheduledBatch, Sequence
 from lmrpc.server.engine.step_budget import macs_per_token, step_token_budget
+from lmrpc.server.engine.step_sampling import StepSampler
 from lmrpc.server.engine.types import (
     Constraint,
     EngineRequest,
@@ -89,7 +90,6 @@ class Engine:
         self.lora = LoraRegistry(config.lora, self.executor.model)
         for name, path in config.lora.lora_modules:
             self.lora.load(name, path, confined=False, pinned=True)
-        self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.executor.device)
         self.processors = processors
         self.grammar = grammar
         self._eos = frozenset(self.info.eos_token_ids)
@@ -98,6 +98,8 @@ class Engine:
         # Outputs for the event loop, posted once per loop iteration (async_engine's sinks put them here)
         self.outbox = Outbox()
         self.masks = MaskFiller(grammar)  # grammar bitmasks, filled while the model runs
+        self.sampling = StepSampler(Sampler(self.info.vocab_size, self.info.eos_token_ids, self.executor.device),
+                                    self.masks, self.executor.device)
         self.max_buffered_outputs = config.max_buffered_outputs  # backpressure bound per output
         self.load = LoadTracker()  # tokens/s and queue times for GetLoad and ORCA reports
         self.heap = HeapTrimmer()  # what a burst freed goes back to the OS once the loop idles
@@ -211,7 +213,7 @@ class Engine:
             routed_live = self._live.get(rows.seq.request_id)
             if routed_live is not None:
                 routed_experts.record(routed_live, rows)
-        results = self._resample_rejected(sampling, forward, self._sample(sampling, forward, masks))
+        results = self._sample(sampling, forward, masks)
         for live, result in zip(sampling, results, strict=True):
             self._update(live, result)
         self._emit(sampling)
@@ -321,48 +323,8 @@ class Engine:
 
     def _sample(self, lives: list[LiveRequest], forward: ForwardOutput,
                 masks: torch.Tensor | None) -> list[SampleResultRow | None]:
-        """Sample the next token of each generating row; prompt-scoring rows (max_new_tokens == 0) get None.
-        masks: [len(lives), words] allowed-token bits, row i for lives[i] (None: no row is constrained)."""
-        keep = [i for i, live in enumerate(lives) if live.request.params.max_new_tokens > 0]
-        results: list[SampleResultRow | None] = [None] * len(lives)
-        if not keep:
-            return results
-        logits = forward.logits if len(keep) == len(lives) else forward.logits[keep]  # [rows, vocab]
-        if masks is not None:
-            masks = masks.to(self.executor.device)
-        rows = [
-            SamplingRow(
-                state=lives[i].sampling,
-                num_output_tokens=lives[i].seq.num_output_tokens,
-                grammar_bitmask=None if masks is None or lives[i].grammar is None else masks[i],
-                processor=lives[i].processor,
-            )
-            for i in keep
-        ]
-        for i, row in zip(keep, self.sampler.sample(logits, rows), strict=True):
-            results[i] = row
-        return results
-
-    def _resample_rejected(self, lives: list[LiveRequest], forward: ForwardOutput,
-                           results: list[SampleResultRow | None]) -> list[SampleResultRow | None]:
-        """Rows sampled without their grammar mask (LiveRequest.lazy_grammar) whose token the grammar rejects:
-        sampled again with the mask, filled now. The same token as with the mask from the start."""
-        rejected: list[int] = []
-        grammars: list[GrammarMatcher] = []
-        for i, (live, result) in enumerate(zip(lives, results, strict=True)):
-            grammar = live.grammar
-            if (result is not None and live.lazy_grammar and grammar is not None
-                    and not grammar.allows(result.token_id)):
-                rejected.append(i)
-                grammars.append(grammar)
-        if not rejected:
-            return results
-        masks = self.masks.fill_now(grammars).to(self.executor.device)  # [rejected, words]
-        rows = [SamplingRow(lives[i].sampling, lives[i].seq.num_output_tokens, masks[j], lives[i].processor)
-                for j, i in enumerate(rejected)]
-        for i, row in zip(rejected, self.sampler.sample(forward.logits[rejected], rows), strict=True):
-            results[i] = row
-        return results
+        """Each generating row's next token, None for prompt scoring (step_sampling.py)."""
+        return self.sampling.sample(lives, forward.logits, masks)
 
     def _update(self, live: LiveRequest, result: SampleResultRow | None) -> None:
         """Append the sampled token, advance grammar and text, and decide whether the sequence ends."""
