@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-TILE = 16  # outputs per tile
+from lmrpc.kernels.tiles import PAIR_TILES, TILE, group_tiles, pad, per_group, round_up, tiles, untile, untiled
+
 MIN_SCALE = 2.0**-24  # the smallest positive float16: a group of zeros keeps a non-zero scale
-PAIR_TILES = 32  # n is padded to whole tile pairs
 Q4_GROUP = 32
 
 
@@ -116,60 +116,18 @@ class PackedWeight:
         return self.format.name.lower()
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    out = t.new_zeros(rows, cols)
-    out[: t.shape[0], : t.shape[1]] = t
-    return out
-
-
-def _tiles(values: torch.Tensor) -> torch.Tensor:
-    """[n_pad, k_pad] -> [n_pad / 32, k_pad / 2, 2, 16, 2]: per tile pair, per kpair, per tile 16 outputs x 2 inputs."""
-    n_pad, k_pad = values.shape
-    return values.view(n_pad // PAIR_TILES, 2, TILE, k_pad // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
-
-
-def _untile(data: torch.Tensor) -> torch.Tensor:
-    """The inverse of _tiles: [n_pad, k_pad]."""
-    pairs, kpairs = data.shape[0], data.shape[1]
-    return data.permute(0, 2, 3, 1, 4).reshape(pairs * PAIR_TILES, kpairs * 2)
-
-
-def _group_tiles(per_group: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """[n, groups] (values representable in float16; 8-bit integers kept as they are) -> [n_pad / 32, groups, 2, 16]
-    float16 (or the integers' dtype)."""
-    if per_group.dtype not in (torch.uint8, torch.int8):
-        per_group = per_group.half()
-    padded = pad(per_group, n_pad, per_group.shape[1])
-    return padded.view(n_pad // PAIR_TILES, 2, TILE, -1).permute(0, 3, 1, 2).contiguous()
-
-
-def _untiled(t: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of _group_tiles, cut to n rows, in the stored dtype: [n, groups]."""
-    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])[:n]
-
-
-def _per_group(t: torch.Tensor | None, n: int) -> torch.Tensor:
-    """The inverse of _group_tiles, cut to n rows: [n, groups] float32."""
-    assert t is not None
-    return _untiled(t, n).float()
-
-
 def pack_kscales(d: torch.Tensor, dmin: torch.Tensor | None, sc: torch.Tensor, m: torch.Tensor | None,
                  super_groups: int) -> KScales:
     """K-quant scales from per-row tensors: d, dmin [n, supers] (fp16 values), sc, m [n, groups] (8-bit)."""
     n_pad = round_up(d.shape[0], PAIR_TILES)
-    return KScales(_group_tiles(d, n_pad), None if dmin is None else _group_tiles(dmin, n_pad),
-                   _group_tiles(sc, n_pad), None if m is None else _group_tiles(m, n_pad), super_groups)
+    return KScales(group_tiles(d, n_pad), None if dmin is None else group_tiles(dmin, n_pad),
+                   group_tiles(sc, n_pad), None if m is None else group_tiles(m, n_pad), super_groups)
 
 
 def kscale_rows(ks: KScales, n: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """The inverse of pack_kscales, cut to n rows (stored dtypes)."""
-    return (_untiled(ks.d, n), None if ks.dmin is None else _untiled(ks.dmin, n), _untiled(ks.sc, n),
-            None if ks.m is None else _untiled(ks.m, n))
+    return (untiled(ks.d, n), None if ks.dmin is None else untiled(ks.dmin, n), untiled(ks.sc, n),
+            None if ks.m is None else untiled(ks.m, n))
 
 
 def _kscales_map(ks: KScales, n: int, change: Callable[[torch.Tensor], torch.Tensor]) -> KScales:
@@ -184,7 +142,7 @@ def group_scales(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     -(dmin * m), exact products)."""
     n_pad = p.n_pad
     if p.kscales is None:
-        return _per_group(p.scale, n_pad), None if p.offset is None else _per_group(p.offset, n_pad)
+        return per_group(p.scale, n_pad), None if p.offset is None else per_group(p.offset, n_pad)
     d, dmin, sc, m = kscale_rows(p.kscales, n_pad)
     per = p.kscales.super_groups
     scale = d.float().repeat_interleave(per, dim=1) * sc.float()
@@ -200,14 +158,14 @@ def pack_dense(weight: torch.Tensor) -> PackedWeight:
         raise ValueError(f"dense weights are float32 or bfloat16, got {weight.dtype}")
     n, k = weight.shape
     n_pad, k_pad = round_up(n, PAIR_TILES), round_up(k, 4)
-    return PackedWeight(fmt, n, k, k_pad, False, _tiles(pad(weight, n_pad, k_pad)), None, None)
+    return PackedWeight(fmt, n, k, k_pad, False, tiles(pad(weight, n_pad, k_pad)), None, None)
 
 
 def _q8_data(codes: torch.Tensor, group: int) -> torch.Tensor:
     if group % 4:
         raise ValueError("Q8 groups are multiples of 4 inputs")
     n, k = codes.shape
-    return _tiles(pad(codes.to(torch.int8), round_up(n, PAIR_TILES), round_up(k, group)))
+    return tiles(pad(codes.to(torch.int8), round_up(n, PAIR_TILES), round_up(k, group)))
 
 
 def _q6_data(q8: torch.Tensor) -> torch.Tensor:
@@ -279,8 +237,8 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor, group: int, offset: torch.
     _check_groups("scale", scale, n, groups)
     _check_groups("offset", offset, n, groups)
     n_pad = round_up(n, PAIR_TILES)
-    return PackedWeight(WeightFormat.Q8, n, k, group, False, _q8_data(codes, group), _group_tiles(scale, n_pad),
-                        None if offset is None else _group_tiles(offset, n_pad), name=name)
+    return PackedWeight(WeightFormat.Q8, n, k, group, False, _q8_data(codes, group), group_tiles(scale, n_pad),
+                        None if offset is None else group_tiles(offset, n_pad), name=name)
 
 
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> PackedWeight:
@@ -297,8 +255,8 @@ def pack_q4_tiled(data: torch.Tensor, n: int, k: int, scale: torch.Tensor, offse
                   name: str | None = None) -> PackedWeight:
     """pack_q4's weight from codes already in its layout (q4_tiles) and scales [n, groups] (float16 values)."""
     n_pad = round_up(n, PAIR_TILES)
-    return PackedWeight(WeightFormat.Q4, n, k, Q4_GROUP, offset is None, data, _group_tiles(scale, n_pad),
-                        None if offset is None else _group_tiles(offset, n_pad), name=name)
+    return PackedWeight(WeightFormat.Q4, n, k, Q4_GROUP, offset is None, data, group_tiles(scale, n_pad),
+                        None if offset is None else group_tiles(offset, n_pad), name=name)
 
 
 def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales, name: str) -> PackedWeight:
@@ -339,9 +297,9 @@ def dequantize(p: PackedWeight) -> torch.Tensor:
 def _padded_codes(p: PackedWeight) -> torch.Tensor:
     """Codes (quantized) or values (dense) [n_pad, k_pad] in their stored dtype."""
     if p.format == WeightFormat.Q6:
-        return _untile(_q8_of_q6(p.data))
+        return untile(_q8_of_q6(p.data))
     if p.format != WeightFormat.Q4:
-        return _untile(p.data)
+        return untile(p.data)
     pairs, groups = p.data.shape[0], p.data.shape[1]
     v = torch.stack([p.data & 0x0F, p.data >> 4], dim=4).flatten(3, 4)  # [pair, group, tile, j = 2c + nibble, o, e]
     return v.permute(0, 2, 4, 1, 3, 5).reshape(pairs * PAIR_TILES, groups * Q4_GROUP)
@@ -384,8 +342,8 @@ def concat_repacked(parts: list[PackedWeight]) -> PackedWeight:
         assert d is not None and sc is not None
         ks = pack_kscales(d, dmin, sc, m, first.kscales.super_groups)
         return pack_k(first.format, codes, first.group, ks, first.label)
-    scale = torch.cat([_per_group(p.scale, p.n) for p in parts])
-    offset = None if first.offset is None else torch.cat([_per_group(p.offset, p.n) for p in parts])
+    scale = torch.cat([per_group(p.scale, p.n) for p in parts])
+    offset = None if first.offset is None else torch.cat([per_group(p.offset, p.n) for p in parts])
     return _repack(first, codes, scale, offset)
 
 
@@ -423,7 +381,7 @@ def _repack(like: PackedWeight, codes: torch.Tensor, scale: torch.Tensor, offset
 
 
 def _dense_values(p: PackedWeight) -> torch.Tensor:
-    return _untile(p.data)[: p.n, : p.k]
+    return untile(p.data)[: p.n, : p.k]
 
 
 def codes_of(p: PackedWeight) -> torch.Tensor:
@@ -438,5 +396,5 @@ def permute_rows(p: PackedWeight, order: torch.Tensor) -> PackedWeight:
     codes = codes_of(p)[order]
     if p.kscales is not None:
         return pack_k(p.format, codes, p.group, _kscales_map(p.kscales, p.n, lambda t: t[order]), p.label)
-    offset = None if p.offset is None else _per_group(p.offset, p.n)[order]
-    return _repack(p, codes, _per_group(p.scale, p.n)[order], offset)
+    offset = None if p.offset is None else per_group(p.offset, p.n)[order]
+    return _repack(p, codes, per_group(p.scale, p.n)[order], offset)
