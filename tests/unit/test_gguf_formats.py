@@ -83,11 +83,12 @@ def _fold_super_block(parts: KParts, x: np.ndarray, group: int, g: int, s: np.nd
 
 
 def kernel(p: PackedWeight, compute: Compute) -> Any:
+    p = gguf_blocks.held_for(p, compute == Compute.BF16)  # as the server holds it (IQ4: Q8 for float32 compute)
     ks = p.kscales
     extra = {} if ks is None else {"kd": ks.d, "kdmin": ks.dmin, "ksc": ks.sc, "km": ks.m,
                                    "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8}
     return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
-                                      p.offset, None, **extra)
+                                      p.offset, None, iq4=p.iq4, **extra)
 
 
 def load(fmt: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, Reference]:
@@ -171,15 +172,20 @@ def test_4_bit_blocks_go_straight_into_the_layout_pack_q4_makes_of_their_codes(g
 def test_bits_per_weight_stay_near_the_files() -> None:
     # Q4_K, the bulk of a Q4_K_M file, keeps 4-bit codes and its scales as stored: 4.625 bits a weight (file 4.5);
     # the 5- and 6-bit formats take 6-bit codes (Q6) and their scales as stored (Q6_K: the file's 6.5625), and so
-    # do the 2- and 3-bit K-quants; the IQ4s hold their table's int8 values (Q8).
+    # do the 2- and 3-bit K-quants; the IQ4s keep their 4-bit codes (Q4, a table turning them into values), and
+    # their table's int8 values (Q8) for float32 compute.
     n, k = 64, 1024
     q4, q6, q8 = packing.WeightFormat.Q4, packing.WeightFormat.Q6, packing.WeightFormat.Q8
     for fmt, (most, layout) in {"q4_k": (4.625, q4), "q6_k": (6.5625, q6), "q5_k": (6.625, q6), "q5_0": (6.5, q6),
-                                "q5_1": (7.0, q6), "q3_k": (6.5625, q6), "q2_k": (7.125, q6), "iq4_nl": (8.5, q8),
-                                "iq4_xs": (8.3125, q8)}.items():
+                                "q5_1": (7.0, q6), "q3_k": (6.5625, q6), "q2_k": (7.125, q6), "iq4_nl": (4.5, q4),
+                                "iq4_xs": (4.3125, q4)}.items():
         p, _ = load(fmt, n, k)
         assert p.nbytes * 8 / (n * k) <= most, fmt
         assert p.format == layout, fmt
+        if fmt.startswith("iq4"):
+            wide = gguf_blocks.held_for(p, bf16=False)
+            assert wide.format == q8 and wide.nbytes * 8 / (n * k) <= most + 4, fmt
+            assert torch.equal(packing.dequantize(wide), packing.dequantize(p)), fmt
 
 
 def test_the_6_bit_layout_holds_every_code_and_refuses_wider_ones() -> None:

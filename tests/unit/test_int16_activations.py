@@ -33,11 +33,13 @@ ROWS = [*range(1, 14), 16, 17, 31, 40]
 
 
 def kernel(p: PackedWeight, int16: bool, compute: Compute = Compute.F32, int8: bool = False) -> Any:
+    p = gguf_blocks.held_for(p, compute == Compute.BF16)  # as the server holds it (IQ4: Q8 for float32 compute)
     ks = p.kscales
     extra = {} if ks is None else {"kd": ks.d, "kdmin": ks.dmin, "ksc": ks.sc, "km": ks.m,
                                    "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8}
     return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
-                                      p.offset, None, int8_activations=int8, int16_activations=int16, **extra)
+                                      p.offset, None, int8_activations=int8, int16_activations=int16, iq4=p.iq4,
+                                      **extra)
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

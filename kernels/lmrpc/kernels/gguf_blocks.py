@@ -14,14 +14,16 @@ Each format's values are exactly those of gguf's `dequantize` (the reference; th
 | Q6_K | 256: fp16 d; 16 x (int8 sc, 16 x 6-bit q) | Q6 (q - 32), KScales (16s) | (q - 32) * (d * sc) | 6.56 (6.56) |
 | Q3_K | 256: fp16 d; 16 x (6-bit sc, 3-bit q) | Q6 (q - 4), KScales (16s) | (q - 4) * (d * (sc-32)) | 6.56 (3.44) |
 | Q2_K | 256: fp16 d, dmin; 16 x (4-bit sc, m; q) | Q6 (q), KScales (16s) | q * (d * sc) - dmin * m | 7.13 (2.63) |
-| IQ4_NL | 32: fp16 d, 4-bit index i | Q8 (T[i]), fp16 scale | T[i] * d | 8.5 (4.5) |
-| IQ4_XS | 256: fp16 d; 8 x (6-bit sc, 32 x 4-bit i) | Q8 (T[i]), KScales | T[i] * (d * (sc - 32)) | 8.31 (4.25) |
+| IQ4_NL | 32: fp16 d, 4-bit index i | Q4 (i: table T), fp16 scale | T[i] * d | 4.5 (4.5) |
+| IQ4_XS | 256: fp16 d; 8 x (6-bit sc, 32 x 4-bit i) | Q4 (i: table T), KScales | T[i] * (d * (sc - 32)) | 4.31 (4.25) |
 
 Q5_0, Q5_1, Q5_K and Q6_K hold their codes in 6 bits (packing.py's Q6: the products decode them into Q8's vectors
 a group at a time), so a Q5_K_M file's bulk takes 6.6 bits a weight against the file's 5.5, and Q4_K_M's Q6_K
 tensors (the output projection, some v and down projections) their own size. Q3_K and Q2_K take the same 6-bit
 layout: the same kernels, about twice the file's bits but less than half of bfloat16's. IQ4_NL and IQ4_XS index a
-table T of 16 int8 values (gguf's `IQ4_NL.kvalues`): held as those int8 values, value for value the file's.
+table T of 16 int8 values (gguf's `IQ4_NL.kvalues`): held as their 4-bit codes in the Q4 layout, which bfloat16
+products turn into values through that table (csrc's Q4Table) as they do Q4_0's q - 8; for float32 compute
+(`held_for`) as the table's int8 values in the Q8 layout, value for value the same weight.
 
 Everything here is numpy/torch on the host, run once per tensor at load, 2048 rows at a time (CHUNK_ROWS). The 4-bit
 formats (Q4_0, Q4_1, Q4_K: the bulk of most files) go from their blocks' bytes to the kernels' layout by 32-bit word
@@ -29,6 +31,8 @@ operations (`_q4_chunks`), never a byte per code: a 1.7B Q4_0 file packs in abou
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -41,8 +45,7 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 
 BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q2_K: (256, 84),
          Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18),
          IQ4_XS: (256, 136)}  # per ggml type: (elements, bytes) of a block
-# IQ4_NL's and IQ4_XS's 16 code values (ggml's kvalues_iq4nl), indexed by a block's 4-bit codes
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+IQ4_VALUES = np.array(packing.IQ4_VALUES, dtype=np.int8)  # indexed by IQ4_NL's and IQ4_XS's 4-bit codes
 SUPPORTED = frozenset(BLOCK)
 
 
@@ -113,15 +116,12 @@ def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     """Blocks of 32 with an fp16 scale (and offset) each."""
     with_min = ggml_type in (Q4_1, Q5_1)
     at = 4 if with_min else 2
-    if ggml_type in (Q4_0, Q4_1):  # element i: low nibble of byte i, element i + 16: its high nibble
-        qs = np.ascontiguousarray(b[..., at:]).reshape(n, -1, 4, 4)  # [n, groups, c mod 4, 4 bytes]
-        chunks = np.concatenate([_q4_chunks(qs, False), _q4_chunks(qs, True)], axis=2)  # [n, groups, 8] uint16
-        data = packing.q4_tiles(torch.from_numpy(chunks.view(np.uint8).reshape(n, -1, 8, 2)), signed=not with_min)
+    if ggml_type in (Q4_0, Q4_1, IQ4_NL):  # element i: low nibble of byte i, element i + 16: its high nibble
+        data = _q4_group_tiles(b[..., at:], n, signed=ggml_type == Q4_0)
+        if ggml_type == IQ4_NL:  # codes index the table, never offset by 8
+            return replace(packing.pack_q4_tiled(data, n, k, _fp16(b[..., 0:2]), None, name="iq4_nl"), q4_signed=False)
         return packing.pack_q4_tiled(data, n, k, _fp16(b[..., 0:2]), _fp16(b[..., 2:4]) if with_min else None)
     d = _halves(b[..., 0:2])  # [n, groups]
-    if ggml_type == IQ4_NL:  # element i: the low nibble of byte i, element i + 16: its high nibble (as Q4_0)
-        q = IQ4_VALUES[_nibbles(b[..., 2:]).reshape(n, -1, 32)]
-        return packing.pack_q8(_tensor(q, n, k, torch.int8), d, 32, name="iq4_nl")
     if ggml_type == Q8_0:
         return packing.pack_q8(_tensor(b[..., 2:].view(np.int8), n, k, torch.int8), d, 32)
     m = _halves(b[..., 2:4]) if with_min else None
@@ -130,6 +130,27 @@ def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     if ggml_type == Q5_0:
         return packing.to_q6(packing.pack_q8(_tensor(q.astype(np.int8) - 16, n, k, torch.int8), d, 32, name="q5_0"))
     return packing.to_q6(packing.pack_q8(_tensor(q.astype(np.int8), n, k, torch.int8), d, 32, m, name="q5_1"))
+
+
+def _q4_group_tiles(qs: np.ndarray, n: int, signed: bool) -> torch.Tensor:
+    """The Q4 layout from groups of 32 codes held as Q4_0 holds them (per group 16 bytes [..., 16]: element i in the
+    low nibble of byte i, element i + 16 in its high nibble)."""
+    q = np.ascontiguousarray(qs).reshape(n, -1, 4, 4)  # [n, groups, c mod 4, 4 bytes]
+    chunks = np.concatenate([_q4_chunks(q, False), _q4_chunks(q, True)], axis=2)  # [n, groups, 8] uint16
+    return packing.q4_tiles(torch.from_numpy(chunks.view(np.uint8).reshape(n, -1, 8, 2)), signed=signed)
+
+
+def held_for(p: PackedWeight, bf16: bool) -> PackedWeight:
+    """The weight as products of this compute type take it: an IQ4 weight (Q4 codes indexing IQ4_VALUES) for float32
+    compute, whose kernels take codes as linear, as its table's int8 values in the Q8 layout (the same weight, twice
+    the bytes); anything else as it is."""
+    if bf16 or not p.iq4:
+        return p
+    values = torch.tensor(packing.IQ4_VALUES, dtype=torch.int8)[packing.codes_of(p).long()]  # [n, k]
+    if p.kscales is not None:
+        return packing.pack_k(WeightFormat.Q8, values, p.group, p.kscales, p.label)
+    assert p.scale is not None
+    return packing.pack_q8(values, packing.per_group(p.scale, p.n), p.group, name=p.label)
 
 
 def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
@@ -202,9 +223,9 @@ def _pack_iq4_xs(b: np.ndarray, n: int, k: int) -> PackedWeight:
     low = _nibbles(b[..., 4:8]).transpose(0, 1, 3, 2).reshape(n, -1, 8)  # group 2j + e: nibble e of byte j
     top = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, supers, 8]
     sc = (low | (top.astype(np.uint8) << 4)).astype(np.int8) - 32
-    q = IQ4_VALUES[_nibbles(b[..., 8:136].reshape(n, -1, 8, 16)).reshape(n, -1, 256)]
     ks = packing.pack_kscales(d, None, _tensor(sc, n, k // 32, torch.int8), None, 8)
-    return packing.pack_k(WeightFormat.Q8, _tensor(q, n, k, torch.int8), 32, ks, "iq4_xs")
+    data = _q4_group_tiles(b[..., 8:136].reshape(n, -1, 16), n, signed=False)
+    return packing.pack_k_tiled(WeightFormat.Q4, data, n, k, 32, ks, "iq4_xs")
 
 
 # the super-block formats with a packer of their own

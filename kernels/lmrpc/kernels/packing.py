@@ -32,6 +32,8 @@ from lmrpc.kernels.tiles import PAIR_TILES, TILE, group_tiles, pad, per_group, r
 
 MIN_SCALE = 2.0**-24  # the smallest positive float16: a group of zeros keeps a non-zero scale
 Q4_GROUP = 32
+# GGUF's IQ4_NL and IQ4_XS values (ggml's kvalues_iq4nl), indexed by their 4-bit codes (csrc/linear_codes.h's too)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 class WeightFormat(enum.IntEnum):
@@ -102,6 +104,11 @@ class PackedWeight:
     def k_pad(self) -> int:
         """Inputs padded to whole groups (quantized; `group` is the padded k when dense)."""
         return round_up(self.k, self.group)
+
+    @property
+    def iq4(self) -> bool:
+        """Q4 codes that index IQ4_VALUES (GGUF IQ4_NL, IQ4_XS) instead of standing for q or q - 8."""
+        return self.format == WeightFormat.Q4 and self.name in ("iq4_nl", "iq4_xs")
 
     @property
     def label(self) -> str:
@@ -283,7 +290,9 @@ def dequantize(p: PackedWeight) -> torch.Tensor:
     """The float32 weight [n, k] a packed weight stands for (the reference the kernels are tested against):
     q * scale (+ offset), as gguf's dequantize computes it."""
     codes = _padded_codes(p).float()  # [n_pad, k_pad]
-    if p.format == WeightFormat.Q4 and p.q4_signed:
+    if p.iq4:
+        codes = torch.tensor(IQ4_VALUES, dtype=torch.float32)[codes.long()]
+    elif p.format == WeightFormat.Q4 and p.q4_signed:
         codes = codes - 8
     if not p.quantized:
         return codes[: p.n, : p.k].contiguous()
@@ -377,7 +386,9 @@ def _repack(like: PackedWeight, codes: torch.Tensor, scale: torch.Tensor, offset
         return pack_q8(codes, scale, like.group, offset, like.name)
     if like.format == WeightFormat.Q6:
         return to_q6(pack_q8(codes, scale, like.group, offset, like.name))
-    return replace(pack_q4(codes, scale, offset), q4_signed=like.q4_signed, name=like.name)
+    n, k = codes.shape  # (padded as `like` was: Q4_0's codes with 8, IQ4's table indices and Q4_1's with 0)
+    data = _q4_data(codes, like.q4_signed)
+    return replace(pack_q4_tiled(data, n, k, scale, offset, like.name), q4_signed=like.q4_signed)
 
 
 def _dense_values(p: PackedWeight) -> torch.Tensor:

@@ -218,12 +218,12 @@ float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
       } else if (w.codes_in_vnni_order()) {  // (linear.h: PackedWeight::vnni)
         const int64_t kg = k % 32, e = kg % 4, quad = (kg % 16) / 4;
         const uint8_t byte = w.vnni[(pair * groups + g) * 512 + (quad * 2 + t) * 64 + 4 * o + e];
-        q = q4_value(kg < 16 ? byte & 15 : byte >> 4, w.q4_signed);
+        q = q4_code_value(kg < 16 ? byte & 15 : byte >> 4, w);
       } else {
         const int64_t jg = j % 16;
         const uint8_t byte =
             static_cast<const uint8_t*>(w.data)[((pair * groups + g) * 2 + t) * 256 + 32 * (jg / 2) + lane];
-        q = q4_value(jg % 2 == 0 ? byte & 15 : byte >> 4, w.q4_signed);
+        q = q4_code_value(jg % 2 == 0 ? byte & 15 : byte >> 4, w);
       }
       const GroupWeights gw = group_weights(w, pair, groups, g, nullptr);
       const int l = static_cast<int>(16 * t + o);
@@ -266,7 +266,7 @@ void weight_rows(const PackedWeight& w, const int64_t* ids, int64_t count, float
 
 void expand_codes(const PackedWeight& w, uint16_t* out) {
   const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2, pairs = w.n_pad / 32;
-  const Q4Table table(w.q4_signed);
+  const Q4Table table(w.q4_signed, w.iq4);
   for (int64_t p = 0; p < pairs; ++p) {
     ExpandSource<uint16_t>{PairIndex{&w, p, groups, gkp, kp}, &table, out + p * kp * 64}.expand_all();
   }

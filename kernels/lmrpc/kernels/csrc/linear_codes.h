@@ -15,6 +15,14 @@ namespace lmrpc::linear_detail {
 
 inline int q4_value(uint8_t code, bool is_signed) { return is_signed ? static_cast<int>(code) - 8 : code; }
 
+// GGUF's IQ4_NL and IQ4_XS values (ggml's kvalues_iq4nl), indexed by a 4-bit code: exact in bfloat16.
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// What a Q4 code of weight `w` stands for (times its group's scale, plus its offset).
+inline int q4_code_value(uint8_t code, const PackedWeight& w) {
+  return w.iq4 ? kIq4Values[code & 15] : q4_value(code, w.q4_signed);
+}
+
 // The code of byte b of Q8 vector i (0..3) of a Q6 unit (linear.h).
 inline int q6_code(const uint8_t* unit, int i, int64_t b) {
   const uint8_t nibbles = unit[32 * (i / 2) + b];
@@ -26,8 +34,10 @@ inline int q6_code(const uint8_t* unit, int i, int64_t b) {
 // high nibble's lowest, q4_chunk) never changes the value picked.
 struct Q4Table {
   alignas(64) uint16_t bf16[32];
-  explicit Q4Table(bool is_signed) {
-    for (int q = 0; q < 32; ++q) bf16[q] = f32_to_bf16(static_cast<float>(q4_value(q & 15, is_signed)));
+  explicit Q4Table(bool is_signed, bool iq4 = false) {
+    for (int q = 0; q < 32; ++q) {
+      bf16[q] = f32_to_bf16(static_cast<float>(iq4 ? kIq4Values[q & 15] : q4_value(q & 15, is_signed)));
+    }
   }
 };
 

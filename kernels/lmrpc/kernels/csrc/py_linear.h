@@ -36,7 +36,7 @@ class PackedLinear {
                std::optional<at::Tensor> codes = std::nullopt, std::optional<at::Tensor> kd = std::nullopt,
                std::optional<at::Tensor> kdmin = std::nullopt, std::optional<at::Tensor> ksc = std::nullopt,
                std::optional<at::Tensor> km = std::nullopt, int64_t super_groups = 1, bool sc_signed = false,
-               bool vnni_in_place = false)
+               bool vnni_in_place = false, bool iq4 = false)
       : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias), kd_(kd), kdmin_(kdmin), ksc_(ksc),
         km_(km), compute_(static_cast<lmrpc::Compute>(compute)) {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
@@ -55,6 +55,8 @@ class PackedLinear {
                 "bfloat16 weights take bfloat16 products");
     TORCH_CHECK(fmt != lmrpc::WeightFormat::F32 || compute_ == lmrpc::Compute::F32,
                 "float32 weights take float32 products");
+    TORCH_CHECK(!iq4 || (fmt == lmrpc::WeightFormat::Q4 && compute_ == lmrpc::Compute::BF16),
+                "IQ4 codes are Q4 weights with bfloat16 products (float32 compute holds them as Q8)");
     const int64_t groups = quantized ? k_pad / group : 1;
     int64_t bytes = 0;
     switch (fmt) {
@@ -106,7 +108,8 @@ class PackedLinear {
     // Int8 activations: bfloat16 compute on AVX512-VNNI, with the codes in their own layout: once more, or with
     // vnni_in_place (the caller hands the data over) rewritten in place, so that the weight is held once (its
     // products then never take float inputs: args()); float32 compute on AVX2, over the Q4 layout as it is.
-    if (int8_activations && fmt == lmrpc::WeightFormat::Q4) {
+    w_.iq4 = iq4;
+    if (int8_activations && fmt == lmrpc::WeightFormat::Q4 && !iq4) {  // (IQ4 codes are not linear)
       if (compute_ == lmrpc::Compute::BF16 && lmrpc::native_vnni()) {
         uint8_t* vnni = static_cast<uint8_t*>(data_.data_ptr());
         if (!vnni_in_place) {

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lmrpc.kernels import hugepages, native, packing, quantize
+from lmrpc.kernels import gguf_blocks, hugepages, native, packing, quantize
 from lmrpc.kernels.packing import Compute, PackedWeight, WeightFormat
 from lmrpc.server.models.linear import DenseLinear, LinearLayer
 from lmrpc.server.models.weights import Matrix, RowParts
@@ -43,6 +43,7 @@ class NativeLinear:
     def __init__(self, weight: PackedWeight, compute: Compute, bias: torch.Tensor | None = None,
                  expand_codes: bool = False, int8_activations: bool = False, int16_activations: bool = False,
                  arena: hugepages.Arena | None = None) -> None:
+        weight = gguf_blocks.held_for(weight, compute == Compute.BF16)  # (IQ4 codes: bfloat16 products only)
         if arena is not None:  # the weight's tensors, and its expanded codes below, in huge pages
             ks = weight.kscales
             if ks is not None:
@@ -66,7 +67,7 @@ class NativeLinear:
             weight.scale, weight.offset, None if bias is None else bias.float().contiguous(),
             expand_codes=expand_codes, int8_activations=int8_activations,
             int16_activations=int16_activations, codes=codes, **_kscale_args(weight),
-            vnni_in_place=arena is not None,
+            vnni_in_place=arena is not None, iq4=weight.iq4,
         )
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
