@@ -5,15 +5,16 @@ A weight [n, k] is stored in tiles of 16 outputs, tiles in pairs (n padded to a 
 run, kpair by kpair (both tiles' vectors side by side), so a thread reading it streams one sequential range.
 Quantized weights keep integer codes with float32 scales (and offsets) per group of inputs:
 
-- Q4: 4-bit codes in groups of 32, value `(q - 8) * scale` (GGUF Q4_0, "signed") or `q * scale + offset` (Q4_1 and
-  our own asymmetric int4). A GGUF file's Q4_0/Q4_1 blocks are repacked code for code, never dequantized, so a
-  model is served with exactly its own weights.
-- Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0, and IQ4_NL/IQ4_XS as their
-  table's values) or one group per output row (our own int8 per-channel quantization).
+- Q4: 4-bit codes in groups of 32, value `(q - 8) * scale` (GGUF Q4_0, "signed"), `q * scale + offset` (Q4_1 and
+  our own asymmetric int4) or `IQ4_VALUES[q] * scale` (GGUF IQ4_NL, IQ4_XS; bfloat16 products only, see `iq4`). A
+  GGUF file's blocks are repacked code for code, never dequantized, so a model is served with exactly its own
+  weights.
+- Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0, and IQ4 weights' values for
+  float32 compute) or one group per output row (our own int8 per-channel quantization).
 - Q6: Q8 whose codes lie in -32..31 held in 6 bits a code (csrc/linear.h's layout), in groups of 32 (GGUF Q5_0,
   Q5_1, Q5_K) or 16 (Q6_K, Q3_K, Q2_K, and K-quants of mixed formats stacked), so a Q5_K_M or Q4_K_M file's 5- and
   6-bit tensors take about their own size.
-- GGUF K-quants (Q4_K as Q4; Q2_K, Q3_K, Q5_K and Q6_K as Q6; IQ4_XS as Q8) keep the file's scales as they are
+- GGUF K-quants (Q4_K and IQ4_XS as Q4; Q2_K, Q3_K, Q5_K and Q6_K as Q6) keep the file's scales as they are
   (`KScales`: per super-block fp16 d and dmin, per group 8-bit sc and m); the kernels fold each group with d * sc
   and -(dmin * m), exact in float32. gguf_blocks.py reads every GGUF block format into these layouts.
 
