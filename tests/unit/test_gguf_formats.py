@@ -20,7 +20,7 @@ import torch
 from gguf_blocks_ref import FORMATS, KParts, Reference, fma, random_blocks, reference
 from gguf_blocks_ref import stacked as stacked_reference
 
-from lmrpc.kernels import gguf_blocks, native, packing
+from lmrpc.kernels import gguf_blocks, native, packed_rows, packing
 from lmrpc.kernels.packing import Compute, PackedWeight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
@@ -107,11 +107,11 @@ def test_the_loaded_weight_is_ggufs_dequantize_to_the_bit(fmt: str) -> None:
     assert np.array_equal(kernel(p, Compute.F32).rows(ids).numpy(), ref.values[ids.numpy()])
     # Stacked with another weight (fused qkv) and rows permuted (llama.cpp's q/k order): the same codes and scales.
     other, other_ref = load(fmt, 40, k, seed=1)
-    stacked = packing.concat_rows([p, other])
+    stacked = packed_rows.concat_rows([p, other])
     assert stacked.label == fmt
     assert np.array_equal(packing.dequantize(stacked).numpy(), np.concatenate([ref.values, other_ref.values]))
     order = torch.randperm(112, generator=torch.Generator().manual_seed(2))
-    permuted = packing.permute_rows(stacked, order)
+    permuted = packed_rows.permute_rows(stacked, order)
     assert torch.equal(packing.dequantize(permuted), packing.dequantize(stacked)[order])
 
 
@@ -135,13 +135,13 @@ def test_load_shortcuts_give_the_weight_the_long_way_gives(fmt: str) -> None:
     kv, _ = load(fmt, 32, k, seed=1)
     last, _ = load(fmt, 40, k, seed=2)  # the last part may end in a partial tile pair
     parts = [q, kv, last]
-    assert same_weight(packing.concat_rows(parts), packing.concat_repacked(parts))
-    assert not same_weight(packing.concat_rows(parts), packing.concat_repacked([q, last, kv]))
+    assert same_weight(packed_rows.concat_rows(parts), packed_rows.concat_repacked(parts))
+    assert not same_weight(packed_rows.concat_rows(parts), packed_rows.concat_repacked([q, last, kv]))
     raw = random_blocks(fmt, 64, k, 3)
     order = torch.randperm(64, generator=torch.Generator().manual_seed(4))
     ggml = int(FORMATS[fmt])
     assert same_weight(gguf_blocks.pack_gguf(ggml, raw.reshape(64, -1)[order.numpy()], 64, k),
-                       packing.permute_rows(gguf_blocks.pack_gguf(ggml, raw, 64, k), order))
+                       packed_rows.permute_rows(gguf_blocks.pack_gguf(ggml, raw, 64, k), order))
 
 
 @pytest.mark.parametrize("ggml_type", [gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q4_K])

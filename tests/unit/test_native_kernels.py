@@ -16,7 +16,7 @@ import test_int16_activations
 import torch
 import torch.nn.functional as F
 
-from lmrpc.kernels import gguf_blocks, native, packing, quantize
+from lmrpc.kernels import gguf_blocks, native, packed_rows, packing, quantize
 from lmrpc.kernels.native_attention import NativeAttention
 from lmrpc.kernels.packing import Compute, PackedWeight
 from lmrpc.kernels.paged import AttentionShape, ChunkSpec, QKNorm, Rope
@@ -235,10 +235,10 @@ def test_int4_quantization_in_row_blocks_is_pack_q4_of_its_codes(monkeypatch: py
 
 def test_stacking_and_row_permutation_keep_the_codes() -> None:
     parts = [quantize.quantize_int4(weight(n, 64, seed)) for seed, n in enumerate((40, 24, 24))]
-    stacked = packing.concat_rows(parts)
+    stacked = packed_rows.concat_rows(parts)
     assert torch.equal(packing.dequantize(stacked), torch.cat([packing.dequantize(p) for p in parts]))
     order = torch.randperm(88, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(packing.dequantize(packing.permute_rows(stacked, order)), packing.dequantize(stacked)[order])
+    assert torch.equal(packing.dequantize(packed_rows.permute_rows(stacked, order)), packing.dequantize(stacked)[order])
 
 
 # ---- attention ---------------------------------------------------------------------------------------------------

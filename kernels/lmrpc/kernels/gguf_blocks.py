@@ -37,7 +37,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from lmrpc.kernels import packing
+from lmrpc.kernels import packed_rows, packing
 from lmrpc.kernels.packing import PackedWeight, WeightFormat
 
 # ggml type ids
@@ -109,7 +109,7 @@ def pack_gguf(ggml_type: int, raw: np.ndarray, n: int, k: int, chunk_rows: int =
     pack = _pack_32 if elements == 32 else _pack_k
     chunks = [pack(ggml_type, np.ascontiguousarray(b[r : r + chunk_rows]), min(chunk_rows, n - r), k)
               for r in range(0, n, chunk_rows)]
-    return chunks[0] if len(chunks) == 1 else packing.concat_tiled_rows(chunks)
+    return chunks[0] if len(chunks) == 1 else packed_rows.concat_tiled_rows(chunks)
 
 
 def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from lmrpc.kernels import gguf_blocks, packing
+from lmrpc.kernels import gguf_blocks, packed_rows, packing
 from lmrpc.kernels.packing import PackedWeight
 from lmrpc.server.models.gguf_file import GGUFFile, GGUFTensor
 from lmrpc.server.models.types import ModelLoadError, ModelNotFoundError
@@ -59,11 +59,11 @@ def stack_rows(parts: Sequence[Matrix]) -> Matrix:
     if packed and len(packed) == len(parts):
         runs: list[list[PackedWeight]] = []
         for p in packed:
-            if runs and packing.stackable([runs[-1][0], p]):
+            if runs and packed_rows.stackable([runs[-1][0], p]):
                 runs[-1].append(p)
             else:
                 runs.append([p])
-        stacked = [packing.concat_rows(run) if len(run) > 1 else run[0] for run in runs]
+        stacked = [packed_rows.concat_rows(run) if len(run) > 1 else run[0] for run in runs]
         return stacked[0] if len(stacked) == 1 else RowParts(tuple(stacked))
     return torch.cat([_dense(p) for p in parts])
 
