@@ -45,7 +45,6 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 
 BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q2_K: (256, 84),
          Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18),
          IQ4_XS: (256, 136)}  # per ggml type: (elements, bytes) of a block
-IQ4_VALUES = np.array(packing.IQ4_VALUES, dtype=np.int8)  # indexed by IQ4_NL's and IQ4_XS's 4-bit codes
 SUPPORTED = frozenset(BLOCK)
 
 
@@ -146,7 +145,7 @@ def held_for(p: PackedWeight, bf16: bool) -> PackedWeight:
     the bytes); anything else as it is."""
     if bf16 or not p.iq4:
         return p
-    values = torch.tensor(packing.IQ4_VALUES, dtype=torch.int8)[packing.codes_of(p).long()]  # [n, k]
+    values = packing.iq4_values(packing.codes_of(p))  # [n, k] int8
     if p.kscales is not None:
         return packing.pack_k(WeightFormat.Q8, values, p.group, p.kscales, p.label)
     assert p.scale is not None

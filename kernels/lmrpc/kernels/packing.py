@@ -287,12 +287,17 @@ def pack_k_tiled(fmt: WeightFormat, data: torch.Tensor, n: int, k: int, group: i
     return PackedWeight(fmt, n, k, group, False, data, None, None, kscales, name)
 
 
+def iq4_values(codes: torch.Tensor) -> torch.Tensor:
+    """IQ4 codes (0..15, any integer or float dtype) -> the int8 values they index (IQ4_VALUES)."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.int8)[codes.long()]
+
+
 def dequantize(p: PackedWeight) -> torch.Tensor:
     """The float32 weight [n, k] a packed weight stands for (the reference the kernels are tested against):
     q * scale (+ offset), as gguf's dequantize computes it."""
     codes = _padded_codes(p).float()  # [n_pad, k_pad]
     if p.iq4:
-        codes = torch.tensor(IQ4_VALUES, dtype=torch.float32)[codes.long()]
+        codes = iq4_values(codes).float()
     elif p.format == WeightFormat.Q4 and p.q4_signed:
         codes = codes - 8
     if not p.quantized:

@@ -11,7 +11,7 @@ enum class WeightFormat : int32_t {
   BF16 = 1,  // bfloat16 values
   Q4 = 2,    // 4-bit codes q in groups of 32, value (q - 8 if q4_signed else q) * scale + offset (iq4: T[q] * scale)
   Q8 = 3,    // signed 8-bit codes in groups of `group` elements, value q * scale (+ offset)
-  Q6 = 4,    // Q8 whose codes lie in -32..31 (GGUF Q5_0, Q5_1, Q5_K, Q6_K), held in 6 bits: see kQ6UnitBytes
+  Q6 = 4,    // Q8 whose codes lie in -32..31 (GGUF Q5_0, Q5_1, Q2_K-Q6_K), held in 6 bits: see kQ6UnitBytes
 };
 
 // A Q6 weight holds Q8's kpair vectors (32 codes each, in Q8's order) four at a time, each four in 96 bytes: bytes
