@@ -3,7 +3,7 @@
 - a tiny 2-layer Llama with every matrix in Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q3_K, Q2_K, IQ4_NL or IQ4_XS, or in
   Q4_K_M's mix (v and down in Q6_K: the fused qkv holds both), is served as its blocks (GetModelInfo names the
   formats) and gives one request the same greedy tokens alone, in a batch, with its prompt prefilled in chunks of
-  16 tokens, and as a prefix-cache hit (in float32, and the IQ4 formats in bfloat16 too);
+  16 tokens, and as a prefix-cache hit (in float32, and the IQ4, Q3_K and Q2_K formats in bfloat16 too);
 - SmolLM2 with its MLP down projections in Q4_K and Q6_K (Q4_K_M's mix), in Q3_K and IQ4_XS, or in Q2_K and IQ4_NL
   decodes, under teacher forcing, the greedy token of its own dequantized dense model (float32) at >= 97% of 320
   positions, served as blocks with bfloat16 activations.
@@ -72,9 +72,10 @@ PROMPT = [(i * 7919) % 40000 + 100 for i in range(37)]  # two full pages and a p
 OTHERS = [[(i * 104729 + j * 31) % 40000 + 100 for j in range(3 + 11 * i)] for i in range(7)]
 
 
-# float32 models (every format's float32 products), and the IQ4 formats in bfloat16 too: only bfloat16 products read
-# their 4-bit codes through the table (float32 ones hold them as int8 values).
-@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_m", "iq4_nl:bfloat16", "iq4_xs:bfloat16"])
+# float32 models (every format's float32 products), and the IQ4, Q3_K and Q2_K formats in bfloat16 too: only
+# bfloat16 products read IQ4's 4-bit codes through the table and Q3_K's and Q2_K's 3-bit codes (float32 ones hold
+# them as int8 values and 6-bit codes).
+@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_m", *(f"{f}:bfloat16" for f in ("iq4_nl", "iq4_xs", "q3_k", "q2_k"))])
 def test_a_tiny_model_in_each_format_gives_the_same_tokens_on_every_route(fmt: str, tmp_path: Path) -> None:
     fmt, _, dtype = fmt.partition(":")
     dtype = dtype or "float32"

@@ -12,18 +12,19 @@ Each format's values are exactly those of gguf's `dequantize` (the reference; th
 | Q4_K | 256: fp16 d, dmin; 8 x (6-bit sc, m, 32 x 4-bit q) | Q4, KScales | q * (d * sc) - dmin * m | 4.625 (4.5) |
 | Q5_K | 256: as Q4_K with 5-bit q | Q6 (q), KScales | q * (d * sc) - dmin * m | 6.625 (5.5) |
 | Q6_K | 256: fp16 d; 16 x (int8 sc, 16 x 6-bit q) | Q6 (q - 32), KScales (16s) | (q - 32) * (d * sc) | 6.56 (6.56) |
-| Q3_K | 256: fp16 d; 16 x (6-bit sc, 3-bit q) | Q6 (q - 4), KScales (16s) | (q - 4) * (d * (sc-32)) | 6.56 (3.44) |
-| Q2_K | 256: fp16 d, dmin; 16 x (4-bit sc, m; q) | Q6 (q), KScales (16s) | q * (d * sc) - dmin * m | 7.13 (2.63) |
+| Q3_K | 256: fp16 d; 16 x (6-bit sc, 3-bit q) | Q3 (q - 4), KScales (16s) | (q - 4) * (d * (sc-32)) | 3.56 (3.44) |
+| Q2_K | 256: fp16 d, dmin; 16 x (4-bit sc, m; q) | Q3 (q), KScales (16s) | q * (d * sc) - dmin * m | 4.13 (2.63) |
 | IQ4_NL | 32: fp16 d, 4-bit index i | Q4 (i: table T), fp16 scale | T[i] * d | 4.5 (4.5) |
 | IQ4_XS | 256: fp16 d; 8 x (6-bit sc, 32 x 4-bit i) | Q4 (i: table T), KScales | T[i] * (d * (sc - 32)) | 4.31 (4.25) |
 
 Q5_0, Q5_1, Q5_K and Q6_K hold their codes in 6 bits (packing.py's Q6: the products decode them into Q8's vectors
 a group at a time), so a Q5_K_M file's bulk takes 6.6 bits a weight against the file's 5.5, and Q4_K_M's Q6_K
-tensors (the output projection, some v and down projections) their own size. Q3_K and Q2_K take the same 6-bit
-layout: the same kernels, about twice the file's bits but less than half of bfloat16's. IQ4_NL and IQ4_XS index a
-table T of 16 int8 values (gguf's `IQ4_NL.kvalues`): held as their 4-bit codes in the Q4 layout, which bfloat16
-products turn into values through that table (csrc's Q4Table) as they do Q4_0's q - 8; for float32 compute
-(`held_for`) as the table's int8 values in the Q8 layout, value for value the same weight.
+tensors (the output projection, some v and down projections) their own size. Q3_K and Q2_K hold theirs in 3 bits
+(packing.py's Q3, decoded like Q6's into the same products) for bfloat16 products; for float32 compute (`held_for`)
+in Q6's 6 bits, whose float32 and int16 kernels they then share. IQ4_NL and IQ4_XS index a table T of 16 int8 values
+(gguf's `IQ4_NL.kvalues`): held as their 4-bit codes in the Q4 layout, which bfloat16 products turn into values
+through that table (csrc's Q4Table) as they do Q4_0's q - 8; for float32 compute (`held_for`) as the table's int8
+values in the Q8 layout, value for value the same weight.
 
 Everything here is numpy/torch on the host, run once per tensor at load, 2048 rows at a time (CHUNK_ROWS). The 4-bit
 formats (Q4_0, Q4_1, Q4_K: the bulk of most files) go from their blocks' bytes to the kernels' layout by 32-bit word
@@ -140,10 +141,15 @@ def _q4_group_tiles(qs: np.ndarray, n: int, signed: bool) -> torch.Tensor:
 
 
 def held_for(p: PackedWeight, bf16: bool) -> PackedWeight:
-    """The weight as products of this compute type take it: an IQ4 weight (Q4 codes indexing IQ4_VALUES) for float32
-    compute, whose kernels take codes as linear, as its table's int8 values in the Q8 layout (the same weight, twice
-    the bytes); anything else as it is."""
-    if bf16 or not p.iq4:
+    """The weight as products of this compute type take it. For float32 compute: an IQ4 weight (Q4 codes indexing
+    IQ4_VALUES), whose kernels take codes as linear, as its table's int8 values in the Q8 layout (the same weight,
+    twice the bytes); a Q3 weight in Q6's layout (its float32 and int16 kernels; twice the bits). Anything else, and
+    everything for bfloat16 compute, as it is."""
+    if bf16:
+        return p
+    if p.format == WeightFormat.Q3:
+        return packing.q3_as_q6(p)
+    if not p.iq4:
         return p
     values = packing.iq4_values(packing.codes_of(p))  # [n, k] int8
     if p.kscales is not None:
@@ -200,7 +206,7 @@ def _pack_q3_k(b: np.ndarray, n: int, k: int) -> PackedWeight:
     top = (scales[..., 8:12].reshape(n, -1, 1, 4) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
     sc = (low | (top.reshape(n, -1, 16) << 4)).astype(np.int8) - 32
     ks = packing.pack_kscales(d, None, _tensor(sc, n, k // 16, torch.int8), None, 16)
-    return packing.pack_k(WeightFormat.Q6, _tensor(q, n, k, torch.int8), 16, ks, "q3_k")
+    return packing.pack_k(WeightFormat.Q3, _tensor(q, n, k, torch.int8), 16, ks, "q3_k")
 
 
 def _pack_q2_k(b: np.ndarray, n: int, k: int) -> PackedWeight:
@@ -209,7 +215,7 @@ def _pack_q2_k(b: np.ndarray, n: int, k: int) -> PackedWeight:
     d, dmin = _halves(b[..., 80:82]), _halves(b[..., 82:84])
     ks = packing.pack_kscales(d, dmin, _tensor(scales & 0x0F, n, k // 16, torch.uint8),
                               _tensor(scales >> 4, n, k // 16, torch.uint8), 16)
-    return packing.pack_k(WeightFormat.Q6, _tensor(_two_bits(qs, n).astype(np.int8), n, k, torch.int8), 16, ks,
+    return packing.pack_k(WeightFormat.Q3, _tensor(_two_bits(qs, n).astype(np.int8), n, k, torch.int8), 16, ks,
                           "q2_k")
 
 

@@ -12,9 +12,11 @@ Quantized weights keep integer codes with float32 scales (and offsets) per group
 - Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0, and IQ4 weights' values for
   float32 compute) or one group per output row (our own int8 per-channel quantization).
 - Q6: Q8 whose codes lie in -32..31 held in 6 bits a code (csrc/linear.h's layout), in groups of 32 (GGUF Q5_0,
-  Q5_1, Q5_K) or 16 (Q6_K, Q3_K, Q2_K, and K-quants of mixed formats stacked), so a Q5_K_M or Q4_K_M file's 5- and
-  6-bit tensors take about their own size.
-- GGUF K-quants (Q4_K and IQ4_XS as Q4; Q2_K, Q3_K, Q5_K and Q6_K as Q6) keep the file's scales as they are
+  Q5_1, Q5_K) or 16 (Q6_K, and K-quants of mixed formats stacked), so a Q5_K_M or Q4_K_M file's 5- and 6-bit
+  tensors take about their own size.
+- Q3: Q8 whose codes lie in -4..3 held in 3 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q3_K, Q2_K);
+  bfloat16 products only (float32 compute holds them as Q6: gguf_blocks.held_for).
+- GGUF K-quants (Q4_K and IQ4_XS as Q4; Q2_K and Q3_K as Q3; Q5_K and Q6_K as Q6) keep the file's scales as they are
   (`KScales`: per super-block fp16 d and dmin, per group 8-bit sc and m); the kernels fold each group with d * sc
   and -(dmin * m), exact in float32. gguf_blocks.py reads every GGUF block format into these layouts.
 
@@ -43,6 +45,7 @@ class WeightFormat(enum.IntEnum):
     Q4 = 2
     Q8 = 3
     Q6 = 4
+    Q3 = 5
 
 
 class Compute(enum.IntEnum):
@@ -85,7 +88,7 @@ class PackedWeight:
 
     @property
     def quantized(self) -> bool:
-        return self.format in (WeightFormat.Q4, WeightFormat.Q8, WeightFormat.Q6)
+        return self.format in (WeightFormat.Q4, WeightFormat.Q8, WeightFormat.Q6, WeightFormat.Q3)
 
     @property
     def nbytes(self) -> int:
@@ -203,6 +206,44 @@ def to_q6(p: PackedWeight) -> PackedWeight:
     return replace(p, format=WeightFormat.Q6, data=_q6_data(p.data))
 
 
+def _q3_data(q8: torch.Tensor) -> torch.Tensor:
+    """Q8 data [pairs, kpairs, 2, 16, 2] (codes -4..3, kpairs a multiple of 8) -> the Q3 layout [pairs, kpairs / 8,
+    192] uint8: per 16 Q8 vectors, three lines of 32 little-endian 16-bit words, word l of line j holding lane l of
+    vector 5j + s in bits 3s..3s + 2 and bit j of lane l of vector 15 in bit 15; each code as q + 4."""
+    if q8.numel() and (int(q8.min()) < -4 or int(q8.max()) > 3):
+        raise ValueError("Q3 holds codes -4..3")
+    u = (q8.to(torch.int32) + 4).view(q8.shape[0], -1, 16, 32)  # [pairs, blocks, vector, lane]
+    lines = [sum(u[:, :, 5 * j + s] << (3 * s) for s in range(5)) | (((u[:, :, 15] >> j) & 1) << 15)
+             for j in range(3)]
+    words = torch.stack(lines, dim=2)  # [pairs, blocks, line, lane] 0..65535
+    return torch.stack([words & 0xFF, words >> 8], dim=4).to(torch.uint8).view(q8.shape[0], -1, 192)
+
+
+def _q8_of_q3(data: torch.Tensor) -> torch.Tensor:
+    """The inverse of _q3_data: [pairs, kpairs, 2, 16, 2] int8."""
+    b = data.view(data.shape[0], -1, 3, 32, 2).to(torch.int32)
+    words = b[..., 0] | (b[..., 1] << 8)  # [pairs, blocks, line, lane]
+    top = (words >> 15) & 1  # [pairs, blocks, line, lane]: bit j of vector 15's codes
+    vectors = [(words[:, :, i // 5] >> (3 * (i % 5))) & 7 for i in range(15)]
+    vectors.append(top[:, :, 0] | (top[:, :, 1] << 1) | (top[:, :, 2] << 2))
+    u = torch.stack(vectors, dim=2)  # [pairs, blocks, vector, lane]
+    return (u - 4).to(torch.int8).view(data.shape[0], -1, 2, TILE, 2)
+
+
+def to_q3(p: PackedWeight) -> PackedWeight:
+    """A Q8 weight whose codes lie in -4..3, held in 3 bits a code (Q3): the same weight."""
+    if p.format != WeightFormat.Q8 or p.group not in (16, 32):
+        raise ValueError("Q3 holds Q8 weights in groups of 16 or 32")
+    return replace(p, format=WeightFormat.Q3, data=_q3_data(p.data))
+
+
+def q3_as_q6(p: PackedWeight) -> PackedWeight:
+    """A Q3 weight held in 6 bits a code (Q6): the same weight, for kernels that take Q6 and not Q3."""
+    if p.format != WeightFormat.Q3:
+        raise ValueError("a Q3 weight is widened to Q6")
+    return replace(p, format=WeightFormat.Q6, data=_q6_data(_q8_of_q3(p.data)))
+
+
 def code_pairs(codes: torch.Tensor) -> torch.Tensor:
     """Codes [rows, k_pad] (0..15) -> q4_tiles' bytes [rows, groups, 8, 2]: byte (c, e) of a group holds its codes
     4c + e (low nibble) and 4c + 2 + e (high nibble)."""
@@ -268,7 +309,8 @@ def pack_q4_tiled(data: torch.Tensor, n: int, k: int, scale: torch.Tensor, offse
 
 
 def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales, name: str) -> PackedWeight:
-    """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32), Q8 (int8 codes) or Q6 (-32..31)."""
+    """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32), Q8 (int8 codes), Q6 (-32..31) or Q3
+    (-4..3)."""
     n, k = codes.shape
     if fmt == WeightFormat.Q4:
         data = q4_data(codes, False)
@@ -276,6 +318,8 @@ def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales,
         data = _q8_data(codes, group)
         if fmt == WeightFormat.Q6:
             data = _q6_data(data)
+        elif fmt == WeightFormat.Q3:
+            data = _q3_data(data)
     return pack_k_tiled(fmt, data, n, k, group, kscales, name)
 
 
@@ -313,6 +357,8 @@ def _padded_codes(p: PackedWeight) -> torch.Tensor:
     """Codes (quantized) or values (dense) [n_pad, k_pad] in their stored dtype."""
     if p.format == WeightFormat.Q6:
         return untile(_q8_of_q6(p.data))
+    if p.format == WeightFormat.Q3:
+        return untile(_q8_of_q3(p.data))
     if p.format != WeightFormat.Q4:
         return untile(p.data)
     pairs, groups = p.data.shape[0], p.data.shape[1]

@@ -209,12 +209,15 @@ float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
       return bf16_to_f32(static_cast<const uint16_t*>(w.data)[vector * 32 + lane]);
     case WeightFormat::Q8:
     case WeightFormat::Q6:
+    case WeightFormat::Q3:
     case WeightFormat::Q4: {
       int q;
       if (w.format == WeightFormat::Q8) {
         q = static_cast<const int8_t*>(w.data)[vector * 32 + lane];
       } else if (w.format == WeightFormat::Q6) {
         q = q6_code(q6_group(w, vector), static_cast<int>(vector % 4), lane);
+      } else if (w.format == WeightFormat::Q3) {
+        q = q3_code(q3_group(w, vector), static_cast<int>(vector % 16), lane);
       } else if (w.codes_in_vnni_order()) {  // (linear.h: PackedWeight::vnni)
         const int64_t kg = k % 32, e = kg % 4, quad = (kg % 16) / 4;
         const uint8_t byte = w.vnni[(pair * groups + g) * 512 + (quad * 2 + t) * 64 + 4 * o + e];

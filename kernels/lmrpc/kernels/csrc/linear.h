@@ -11,7 +11,8 @@ enum class WeightFormat : int32_t {
   BF16 = 1,  // bfloat16 values
   Q4 = 2,    // 4-bit codes q in groups of 32, value (q - 8 if q4_signed else q) * scale + offset (iq4: T[q] * scale)
   Q8 = 3,    // signed 8-bit codes in groups of `group` elements, value q * scale (+ offset)
-  Q6 = 4,    // Q8 whose codes lie in -32..31 (GGUF Q5_0, Q5_1, Q2_K-Q6_K), held in 6 bits: see kQ6UnitBytes
+  Q6 = 4,    // Q8 whose codes lie in -32..31 (GGUF Q5_0, Q5_1, Q5_K, Q6_K), held in 6 bits: see kQ6UnitBytes
+  Q3 = 5,    // Q8 whose codes lie in -4..3 (GGUF Q3_K, Q2_K), held in 3 bits: see kQ3UnitBytes (bf16 products only)
 };
 
 // A Q6 weight holds Q8's kpair vectors (32 codes each, in Q8's order) four at a time, each four in 96 bytes: bytes
@@ -20,6 +21,16 @@ enum class WeightFormat : int32_t {
 // (groups of a multiple of 4 inputs: 2 kpairs x 2 tiles), so Q8 vector v starts unit v / 4 and group g of a tile
 // pair sits at 24 bytes per Q8 vector. Q5_K_M and Q4_K_M files' 5- and 6-bit tensors take 6 bits a code, not 8.
 constexpr int64_t kQ6UnitBytes = 96;
+
+// A Q3 weight holds Q8's kpair vectors sixteen at a time (a block: one tile pair's 8 kpairs, 16 inputs, of a group)
+// in 192 bytes, three lines of 32 little-endian 16-bit words, one word per lane of a vector: word l of line j holds
+// lane l of vector 5j + s in bits 3s..3s + 2 (s = 0..4) and bit j of lane l of vector 15 in bit 15; each code stored
+// as q + 4 (0..7). A vector is then one shift of a line and one table lookup (vector 15: three lines' top bits).
+// Groups are whole blocks (16 or 32 inputs), so Q8 vector v starts block v / 16 and a group of a tile pair sits at
+// 12 bytes per Q8 vector. Q3_K_M and Q2_K files' bulk takes 3 bits a code (their own 3.44 and 2.63 bits a weight
+// held in 3.56 and 4.13 with the scales), not Q6's 6.
+constexpr int64_t kQ3BlockBytes = 192;
+constexpr int64_t kQ3UnitBytes = kQ3BlockBytes / 4;  // per unit of four Q8 vectors, on average (offsets)
 
 // GGUF K-quant scales (Q4_K, Q5_K, Q6_K), kept as the file stores them instead of as one float per group: per
 // output and super-block of 2^`super_shift` groups, fp16 d (and dmin); per output and group, 8-bit multipliers sc
@@ -84,7 +95,8 @@ struct PackedWeight {
 
   bool k_scaled() const { return ks.d != nullptr; }
   bool quantized() const {
-    return format == WeightFormat::Q4 || format == WeightFormat::Q8 || format == WeightFormat::Q6;
+    return format == WeightFormat::Q4 || format == WeightFormat::Q8 || format == WeightFormat::Q6 ||
+           format == WeightFormat::Q3;
   }
   // Whether groups carry offsets (the products then need each row's group sums).
   bool has_offsets() const { return offset != nullptr || ks.dmin != nullptr; }

@@ -1,6 +1,6 @@
 // Quantized codes made kpair vectors, shared by the products (linear_impl.h and the kernels): Q4 codes' values and
-// their bf16 table, Q6 units' codes, how far ahead the products ask for codes, and one group of a tile pair expanded
-// (expand_q4, expand_q8, decode_q6).
+// their bf16 table, Q6 and Q3 units' codes, how far ahead the products ask for codes, and one group of a tile pair
+// expanded (expand_q4, expand_q8, decode_q6, decode_q3).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +28,13 @@ inline int q6_code(const uint8_t* unit, int i, int64_t b) {
   const uint8_t nibbles = unit[32 * (i / 2) + b];
   const int lo = i % 2 == 0 ? nibbles & 15 : nibbles >> 4;
   return (lo | (((unit[64 + b] >> (2 * i)) & 3) << 4)) - 32;
+}
+
+// The code of lane b of Q8 vector i (0..15) of a Q3 block (linear.h).
+inline int q3_code(const uint8_t* block, int i, int64_t b) {
+  const auto word = [&](int line) { return block[64 * line + 2 * b] | (block[64 * line + 2 * b + 1] << 8); };
+  if (i < 15) return ((word(i / 5) >> (3 * (i % 5))) & 7) - 4;
+  return ((word(0) >> 15) | ((word(1) >> 15) << 1) | ((word(2) >> 15) << 2)) - 4;
 }
 
 // bf16 values of the 16 codes, twice: vpermw reads 5 bits of an index, and with the table doubled its fifth bit (a
@@ -228,6 +235,40 @@ inline void decode_q6(const uint8_t* src, int64_t units, int8_t* dst) {
   for (int64_t u = 0; u < units; ++u, src += kQ6UnitBytes, dst += 128) {
     for (int i = 0; i < 4; ++i)
       for (int b = 0; b < 32; ++b) dst[32 * i + b] = static_cast<int8_t>(q6_code(src, i, b));
+  }
+#endif
+}
+
+// Q3 blocks (linear.h: kQ3BlockBytes each, `units` / 4 of them) -> the Q8 vectors they hold (16 a block, 32 int8
+// each).
+inline void decode_q3(const uint8_t* src, int64_t units, int8_t* dst) {
+#if LMRPC_AVX512 || LMRPC_AVX2
+  const __m256i seven = _mm256_set1_epi16(7), four = _mm256_set1_epi16(4);
+  for (int64_t blk = 0; blk < units / 4; ++blk, src += kQ3BlockBytes, dst += 512) {
+    __m256i lines[3][2];  // [line][lanes 0-15, 16-31]
+    for (int j = 0; j < 3; ++j)
+      for (int h = 0; h < 2; ++h) lines[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * j + 32 * h));
+    for (int i = 0; i < 16; ++i) {
+      __m256i half[2];
+      for (int h = 0; h < 2; ++h) {
+        if (i < 15) {
+          half[h] = _mm256_and_si256(_mm256_srl_epi16(lines[i / 5][h], _mm_cvtsi32_si128(3 * (i % 5))), seven);
+        } else {
+          half[h] = _mm256_or_si256(_mm256_srli_epi16(lines[0][h], 15),
+                                    _mm256_or_si256(_mm256_slli_epi16(_mm256_srli_epi16(lines[1][h], 15), 1),
+                                                    _mm256_slli_epi16(_mm256_srli_epi16(lines[2][h], 15), 2)));
+        }
+        half[h] = _mm256_sub_epi16(half[h], four);
+      }
+      // int16 lanes 0-15 and 16-31 -> 32 int8 in order (packs works per 128-bit lane: the quarters reordered)
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(half[0], half[1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * i), packed);
+    }
+  }
+#else
+  for (int64_t blk = 0; blk < units / 4; ++blk, src += kQ3BlockBytes, dst += 512) {
+    for (int i = 0; i < 16; ++i)
+      for (int b = 0; b < 32; ++b) dst[32 * i + b] = static_cast<int8_t>(q3_code(src, i, b));
   }
 #endif
 }

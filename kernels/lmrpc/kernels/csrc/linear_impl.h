@@ -133,12 +133,18 @@ LMRPC_INLINE void prefetch_scales(const PackedWeight& w, int64_t pair, int64_t g
 }
 #endif
 
-// Q6 weights' groups are at most this many inputs (GGUF's 16 and 32): a group's codes decode into a stack buffer.
+// Q6 and Q3 weights' groups are at most this many inputs (GGUF's 16 and 32): a group's codes decode into a stack
+// buffer.
 constexpr int64_t kMaxQ6Group = 32;
 
 // Where Q8 vector `vector` (a group's first: PairIndex::vectors) starts in a Q6 weight's units.
 inline const uint8_t* q6_group(const PackedWeight& w, int64_t vector) {
   return static_cast<const uint8_t*>(w.data) + vector / 4 * kQ6UnitBytes;
+}
+
+// Where Q8 vector `vector` (a group's first) starts in a Q3 weight's blocks.
+inline const uint8_t* q3_group(const PackedWeight& w, int64_t vector) {
+  return static_cast<const uint8_t*>(w.data) + vector / 16 * kQ3BlockBytes;
 }
 
 // Offsets of tile pair p, group g in the packed arrays.
@@ -174,6 +180,10 @@ struct ExpandSource {
     } else if (w.format == WeightFormat::Q6) {
       alignas(64) int8_t codes[kMaxQ6Group * 32];
       decode_q6(q6_group(w, at.vectors(g)), at.gkp / 2, codes);
+      expand_q8<T>(codes, 2 * at.gkp, dst);
+    } else if (w.format == WeightFormat::Q3) {
+      alignas(64) int8_t codes[kMaxQ6Group * 32];
+      decode_q3(q3_group(w, at.vectors(g)), at.gkp / 2, codes);
       expand_q8<T>(codes, 2 * at.gkp, dst);
     } else {
       expand_q8<T>(static_cast<const int8_t*>(w.data) + at.vectors(g) * 32, 2 * at.gkp, dst);

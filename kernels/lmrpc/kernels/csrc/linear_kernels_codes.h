@@ -1,7 +1,7 @@
-// Micro-kernels of the row-invariant products over 8-bit and 6-bit codes (Q8 and Q6 weights, run by
+// Micro-kernels of the row-invariant products over 8-, 6- and 3-bit codes (Q8, Q6 and Q3 weights, run by
 // linear_products.cpp): R rows x one tile pair with each unit of four kpair vectors made bf16 in registers once per
 // block of rows (block_codes), and one row of P tile pairs over the codes as stored (one_row_q8_bf16,
-// one_row_q6_bf16). The sums and their order are those of linear_kernels.h's kernels over expanded codes.
+// one_row_units_bf16). The sums and their order are those of linear_kernels.h's kernels over expanded codes.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +47,39 @@ LMRPC_INLINE void q6_unit_bf16(const uint8_t* unit, __m512i lut_lo, __m512i lut_
   v[3] = code(_mm512_srli_epi16(b, 4), _mm512_srli_epi16(h, 2));
 }
 
+// bf16 values of a Q3 weight's stored codes (code - 4), indexed by a code's 3 bits: the 8 values four times, so
+// that vpermw (which reads bits 0-4 of an index) picks the same value whatever bits 3-4 hold.
+struct Q3Table {
+  alignas(64) uint16_t bf16[32];
+  Q3Table() {
+    for (int c = 0; c < 32; ++c) bf16[c] = f32_to_bf16(static_cast<float>((c & 7) - 4));
+  }
+};
+
+// The one table every Q3 kernel reads (built on first use).
+inline const Q3Table& q3_table() {
+  static const Q3Table table;
+  return table;
+}
+
+// Vector i (0..15) of a Q3 block (linear.h) as bf16, decoded in registers: a line shifted so that the code's 3 bits
+// are bits 0-2 of a table index (bits above them pick the same value: the table repeats every 8); vector 15's bits
+// gathered from the three lines' bit 15.
+template <int I>
+LMRPC_INLINE __m512i q3_vector_bf16(const uint8_t* block, __m512i lut) {
+  const auto line = [&](int j) { return _mm512_loadu_si512(block + 64 * j); };
+  if constexpr (I < 15) {
+    const __m512i words = line(I / 5);
+    return _mm512_permutexvar_epi16(I % 5 == 0 ? words : _mm512_srli_epi16(words, 3 * (I % 5)), lut);
+  } else {
+    // 0xca: the second operand's bits where the first has ones, the third's elsewhere
+    const __m512i low = _mm512_ternarylogic_epi32(_mm512_set1_epi16(2), _mm512_srli_epi16(line(1), 14),
+                                                  _mm512_srli_epi16(line(0), 15), 0xca);
+    return _mm512_permutexvar_epi16(
+        _mm512_ternarylogic_epi32(_mm512_set1_epi16(4), _mm512_srli_epi16(line(2), 13), low, 0xca), lut);
+  }
+}
+
 // 32 8-bit codes (a kpair vector) as bf16, in registers: the values expand_q8 writes.
 LMRPC_INLINE __m512i q8_vector_bf16(const int8_t* codes) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
@@ -55,49 +88,95 @@ LMRPC_INLINE __m512i q8_vector_bf16(const int8_t* codes) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
 }
 
-// R rows x one tile pair of Q8 or Q6 weights over every group, four kpair vectors at a time (kpairs 2u and 2u + 1,
-// both tiles; a Q6 unit) made bf16 in registers and used by all R rows: the operations of block_bf16<R, 1, true>
+// How block_codes and one_row_units_bf16 read a weight's units of four kpair vectors (kpairs 2u and 2u + 1, both
+// tiles), per format: where a group's units start, how many units a block of kBlockBytes holds (kPer), and unit w
+// of a block made bf16 in registers (decode).
+struct Q8Units {
+  static constexpr int kPer = 1;
+  static constexpr int64_t kBlockBytes = 128;
+  static const uint8_t* group(const PackedWeight& w, int64_t vector) {
+    return static_cast<const uint8_t*>(w.data) + vector * 32;
+  }
+  LMRPC_INLINE void decode(const uint8_t* block, int, __m512i (&v)[4]) const {
+    for (int i = 0; i < 4; ++i) v[i] = q8_vector_bf16(reinterpret_cast<const int8_t*>(block) + 32 * i);
+  }
+};
+struct Q6Units {
+  static constexpr int kPer = 1;
+  static constexpr int64_t kBlockBytes = kQ6UnitBytes;
+  __m512i lut_lo, lut_hi;
+  Q6Units() : lut_lo(_mm512_load_si512(q6_table().bf16)), lut_hi(_mm512_load_si512(q6_table().bf16 + 32)) {}
+  static const uint8_t* group(const PackedWeight& w, int64_t vector) { return q6_group(w, vector); }
+  LMRPC_INLINE void decode(const uint8_t* block, int, __m512i (&v)[4]) const {
+    q6_unit_bf16(block, lut_lo, lut_hi, v);
+  }
+};
+struct Q3Units {
+  static constexpr int kPer = 4;
+  static constexpr int64_t kBlockBytes = kQ3BlockBytes;
+  __m512i lut;
+  Q3Units() : lut(_mm512_load_si512(q3_table().bf16)) {}
+  static const uint8_t* group(const PackedWeight& w, int64_t vector) { return q3_group(w, vector); }
+  // (callers unroll their loop over w, so each case is one straight run of vectors)
+  LMRPC_INLINE void decode(const uint8_t* block, int w, __m512i (&v)[4]) const {
+    switch (w) {
+      case 0: units<0>(block, v); break;
+      case 1: units<1>(block, v); break;
+      case 2: units<2>(block, v); break;
+      default: units<3>(block, v); break;
+    }
+  }
+  template <int W>
+  LMRPC_INLINE void units(const uint8_t* block, __m512i (&v)[4]) const {
+    v[0] = q3_vector_bf16<4 * W>(block, lut);
+    v[1] = q3_vector_bf16<4 * W + 1>(block, lut);
+    v[2] = q3_vector_bf16<4 * W + 2>(block, lut);
+    v[3] = q3_vector_bf16<4 * W + 3>(block, lut);
+  }
+};
+
+// R rows x one tile pair of Q8, Q6 or Q3 weights over every group, four kpair vectors at a time (a unit: kpairs 2u
+// and 2u + 1, both tiles) made bf16 in registers and used by all R rows: the operations of block_bf16<R, 1, true>
 // over expanded codes, without a copy of 2 bytes a weight.
-template <int R, bool kQ6, bool KS>
-void block_codes_ks(const PackedWeight& w, int64_t p, const Q6Table& table, int64_t groups, const RowBlock& rb) {
+template <int R, typename Units, bool KS>
+void block_codes_ks(const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb) {
   const int64_t gkp = w.group / 2;
   const PairIndex at{&w, p, groups, gkp, w.k_pad / 2};
-  const __m512i lut_lo = _mm512_load_si512(table.bf16), lut_hi = _mm512_load_si512(table.bf16 + 32);
+  const Units units;
   rows_over_groups<R, KS>(w, p, groups, rb, [&](__m512 (&acc)[R][2], int64_t g) LMRPC_LAMBDA_INLINE {
-    const int64_t first = at.vectors(g);
-    for (int64_t u = 0; u < gkp / 2; ++u) {
-      __m512i v[4];  // kpair 2u tile 0, tile 1; kpair 2u + 1 tile 0, tile 1
-      if constexpr (kQ6) {
-        q6_unit_bf16(q6_group(w, first) + u * kQ6UnitBytes, lut_lo, lut_hi, v);
-      } else {
-        const int8_t* codes = static_cast<const int8_t*>(w.data) + (first + 4 * u) * 32;
-        for (int i = 0; i < 4; ++i) v[i] = q8_vector_bf16(codes + 32 * i);
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t p0, p1;
-        const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + 2 * (g * gkp + 2 * u);
-        std::memcpy(&p0, x, 4);
-        std::memcpy(&p1, x + 2, 4);
-        const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
-        const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[0]), x0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[1]), x0);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[2]), x1);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[3]), x1);
+    const uint8_t* first = Units::group(w, at.vectors(g));
+    for (int64_t b = 0; b < gkp / 2 / Units::kPer; ++b) {
+#pragma GCC unroll 4
+      for (int wu = 0; wu < Units::kPer; ++wu) {
+        const int64_t u = b * Units::kPer + wu;
+        __m512i v[4];  // kpair 2u tile 0, tile 1; kpair 2u + 1 tile 0, tile 1
+        units.decode(first + b * Units::kBlockBytes, wu, v);
+        for (int r = 0; r < R; ++r) {
+          int32_t p0, p1;
+          const uint16_t* x = static_cast<const uint16_t*>(rb.x[r]) + 2 * (g * gkp + 2 * u);
+          std::memcpy(&p0, x, 4);
+          std::memcpy(&p1, x + 2, 4);
+          const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p0));
+          const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p1));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[0]), x0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[1]), x0);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(v[2]), x1);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(v[3]), x1);
+        }
       }
     }
   });
 }
 
-template <int R, bool kQ6>
-void block_codes(const PackedWeight& w, int64_t p, const Q6Table& table, int64_t groups, const RowBlock& rb) {
-  if (w.k_scaled()) block_codes_ks<R, kQ6, true>(w, p, table, groups, rb);
-  else block_codes_ks<R, kQ6, false>(w, p, table, groups, rb);
+template <int R, typename Units>
+void block_codes(const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb) {
+  if (w.k_scaled()) block_codes_ks<R, Units, true>(w, p, groups, rb);
+  else block_codes_ks<R, Units, false>(w, p, groups, rb);
 }
 
 // One unit (kpairs `at` and `at` + 1, both tiles) of each of P tile pairs, one row: decode(q, v) makes pair q's four
 // kpair vectors (kpair `at` tile 0, tile 1; kpair `at` + 1 tile 0, tile 1) bf16, each tile's sum takes them in kpair
-// order (one_row_q8_bf16, one_row_q6_bf16).
+// order (one_row_q8_bf16, one_row_units_bf16).
 template <int P, typename Decode>
 LMRPC_INLINE void unit_products(__m512 (&acc)[2 * P], const uint16_t* x, int64_t at, Decode&& decode) {
   int32_t p0, p1;
@@ -139,20 +218,24 @@ void one_row_q8_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const 
   one_row_grouped<P>(w, p, gkp / 2, sums, out, unit, no_prefetch);
 }
 
-// One row, Q6 (1.7B Q4_K_M's Q6_K output head and down projections): a group's pieces are its units (kpairs 2u and
-// 2u + 1 of both tiles), each decoded in registers (against a group decoded to 8-bit codes, then to bf16 in a buffer).
-template <int P>
-void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, const uint16_t* x, const float* sums,
-                     float* out) {
+// One row, Q6 (1.7B Q4_K_M's Q6_K output head and down projections) or Q3 (Q3_K_M's and Q2_K's bulk): a group's
+// pieces are its units (kpairs 2u and 2u + 1 of both tiles), each decoded in registers (against a group decoded to
+// 8-bit codes, then to bf16 in a buffer).
+template <int P, typename Units>
+void one_row_units_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const float* sums, float* out) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
-  const int64_t units = gkp / 2, group_bytes = units * kQ6UnitBytes;
-  const __m512i lut_lo = _mm512_load_si512(table.bf16), lut_hi = _mm512_load_si512(table.bf16 + 32);
+  const int64_t blocks = gkp / 2 / Units::kPer, group_bytes = blocks * Units::kBlockBytes;
+  const Units decoder;
   const uint8_t* pairs[P];  // each pair's first group
-  for (int q = 0; q < P; ++q) pairs[q] = q6_group(w, PairIndex{&w, p + q, groups, gkp, kp}.vectors(0));
-  auto unit = [&](__m512 (&acc)[2 * P], int64_t g, int64_t u) LMRPC_LAMBDA_INLINE {
-    unit_products<P>(acc, x, g * gkp + 2 * u, [&](int q, __m512i (&v)[4]) LMRPC_LAMBDA_INLINE {
-      q6_unit_bf16(pairs[q] + g * group_bytes + u * kQ6UnitBytes, lut_lo, lut_hi, v);
-    });
+  for (int q = 0; q < P; ++q) pairs[q] = Units::group(w, PairIndex{&w, p + q, groups, gkp, kp}.vectors(0));
+  auto block = [&](__m512 (&acc)[2 * P], int64_t g, int64_t b) LMRPC_LAMBDA_INLINE {  // its units in order
+#pragma GCC unroll 4
+    for (int wu = 0; wu < Units::kPer; ++wu) {
+      const int64_t u = b * Units::kPer + wu;
+      unit_products<P>(acc, x, g * gkp + 2 * u, [&](int q, __m512i (&v)[4]) LMRPC_LAMBDA_INLINE {
+        decoder.decode(pairs[q] + g * group_bytes + b * Units::kBlockBytes, wu, v);
+      });
+    }
   };
   auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // kOneRowPrefetchGroups ahead, into L2 (kOneRowHint)
     const int64_t at = one_row_ahead((g + kOneRowPrefetchGroups) * group_bytes, groups * group_bytes, P);
@@ -160,7 +243,7 @@ void one_row_q6_bf16(const PackedWeight& w, int64_t p, const Q6Table& table, con
     const int64_t ahead = one_row_ahead(g + 2 * kOneRowPrefetchGroups, groups, P);
     for (int q = 0; q < P; ++q) prefetch_scales(w, p + q, groups, ahead);
   };
-  one_row_grouped<P>(w, p, units, sums, out, unit, prefetch);
+  one_row_grouped<P>(w, p, blocks, sums, out, block, prefetch);
 }
 #endif
 

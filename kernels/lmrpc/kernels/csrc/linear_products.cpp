@@ -129,28 +129,29 @@ void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& 
   });
 }
 
-// Q8 and Q6 weights without expanded codes, bf16 products, many rows: as many_rows_codes, each unit of four kpair
-// vectors made bf16 in registers once per block of rows (block_codes).
-template <bool kQ6>
-void codes_in_registers(int rows, const PackedWeight& w, int64_t p, const Q6Table& table, int64_t groups,
-                        const RowBlock& rb) {
+// Q8, Q6 and Q3 weights without expanded codes, bf16 products, many rows: as many_rows_codes, each unit of four
+// kpair vectors made bf16 in registers once per block of rows (block_codes).
+template <typename Units>
+void codes_in_registers(int rows, const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb) {
   switch (rows) {
-    case 1: block_codes<1, kQ6>(w, p, table, groups, rb); break;
-    case 2: block_codes<2, kQ6>(w, p, table, groups, rb); break;
-    case 3: block_codes<3, kQ6>(w, p, table, groups, rb); break;
-    case 4: block_codes<4, kQ6>(w, p, table, groups, rb); break;
-    case 5: block_codes<5, kQ6>(w, p, table, groups, rb); break;
-    default: block_codes<6, kQ6>(w, p, table, groups, rb); break;
+    case 1: block_codes<1, Units>(w, p, groups, rb); break;
+    case 2: block_codes<2, Units>(w, p, groups, rb); break;
+    case 3: block_codes<3, Units>(w, p, groups, rb); break;
+    case 4: block_codes<4, Units>(w, p, groups, rb); break;
+    case 5: block_codes<5, Units>(w, p, groups, rb); break;
+    default: block_codes<6, Units>(w, p, groups, rb); break;
   }
 }
 
 void many_rows_codes_in_registers(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr,
                                   int64_t p) {
-  const Q6Table& table = q6_table();
   const int64_t groups = w.k_pad / w.group;
   pair_in_row_blocks(w, in.bf16.data(), in, a, rr, p, [&](int rows, const RowBlock& rb) {
-    if (w.format == WeightFormat::Q6) codes_in_registers<true>(rows, w, p, table, groups, rb);
-    else codes_in_registers<false>(rows, w, p, table, groups, rb);
+    switch (w.format) {
+      case WeightFormat::Q6: codes_in_registers<Q6Units>(rows, w, p, groups, rb); break;
+      case WeightFormat::Q3: codes_in_registers<Q3Units>(rows, w, p, groups, rb); break;
+      default: codes_in_registers<Q8Units>(rows, w, p, groups, rb); break;
+    }
   });
 }
 #endif
@@ -226,7 +227,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
         for (int q = 0; q < P; ++q) many_rows_q4(w, in, a, rr, p + q, table);
       } else if (w.codes != nullptr) {
         for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, rr, p + q);
-      } else {  // Q8 or Q6 without a copy
+      } else {  // Q8, Q6 or Q3 without a copy
         for (int q = 0; q < P; ++q) many_rows_codes_in_registers(w, in, a, rr, p + q);
       }
       return;
@@ -237,7 +238,8 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
       const float* sums = w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr;
       switch (w.format) {
         case WeightFormat::Q4: one_row_q4_bf16<P>(w, p, table, x, sums, row); break;
-        case WeightFormat::Q6: one_row_q6_bf16<P>(w, p, q6_table(), x, sums, row); break;
+        case WeightFormat::Q6: one_row_units_bf16<P, Q6Units>(w, p, x, sums, row); break;
+        case WeightFormat::Q3: one_row_units_bf16<P, Q3Units>(w, p, x, sums, row); break;
         default: one_row_q8_bf16<P>(w, p, x, sums, row); break;
       }
       epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
