@@ -86,6 +86,7 @@ QUANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "Q8_0": ("Q8_0", ()),
     "Q3_K_M": ("Q3_K_M", ()),  # on request (--types): the smaller mixtures, Q3_K with Q4_K, Q5_K, Q6_K beside it
     "IQ4_XS": ("IQ4_XS", ()),  # the non-linear 4-bit format, made without an importance matrix
+    "Q5_K_M": ("Q5_K_M", ()),  # on request: the 5-bit mixture (Q5_K, with Q6_K beside it)
 }
 DEFAULT_TYPES = ("Q4_0-pure", "Q4_K_M", "Q8_0")
 

@@ -172,21 +172,22 @@ def test_4_bit_blocks_go_straight_into_the_layout_pack_q4_makes_of_their_codes(g
 
 def test_bits_per_weight_stay_near_the_files() -> None:
     # Q4_K, the bulk of a Q4_K_M file, keeps 4-bit codes and its scales as stored: 4.625 bits a weight (file 4.5);
-    # the 5- and 6-bit formats take 6-bit codes (Q6) and their scales as stored (Q6_K: the file's 6.5625); the 2-
-    # and 3-bit K-quants 3-bit codes (Q3), and 6-bit ones for float32 compute; the IQ4s keep their 4-bit codes (Q4,
+    # Q6_K 6-bit codes (Q6) and its scales as stored (the file's 6.5625); the 5-bit formats 5-bit codes (Q5), the 2-
+    # and 3-bit K-quants 3-bit codes (Q3), both 6-bit ones for float32 compute; the IQ4s keep their 4-bit codes (Q4,
     # a table turning them into values), and their table's int8 values (Q8) for float32 compute.
     n, k = 64, 1024
-    q3, q4, q6, q8 = (packing.WeightFormat.Q3, packing.WeightFormat.Q4, packing.WeightFormat.Q6,
-                      packing.WeightFormat.Q8)
-    for fmt, (most, layout) in {"q4_k": (4.625, q4), "q6_k": (6.5625, q6), "q5_k": (6.625, q6), "q5_0": (6.5, q6),
-                                "q5_1": (7.0, q6), "q3_k": (3.5625, q3), "q2_k": (4.125, q3), "iq4_nl": (4.5, q4),
+    q3, q4, q5, q6, q8 = (packing.WeightFormat.Q3, packing.WeightFormat.Q4, packing.WeightFormat.Q5,
+                          packing.WeightFormat.Q6, packing.WeightFormat.Q8)
+    for fmt, (most, layout) in {"q4_k": (4.625, q4), "q6_k": (6.5625, q6), "q5_k": (5.625, q5), "q5_0": (5.5, q5),
+                                "q5_1": (6.0, q5), "q3_k": (3.5625, q3), "q2_k": (4.125, q3), "iq4_nl": (4.5, q4),
                                 "iq4_xs": (4.3125, q4)}.items():
         p, _ = load(fmt, n, k)
         assert p.nbytes * 8 / (n * k) <= most, fmt
         assert p.format == layout, fmt
         assert gguf_blocks.held_for(p, bf16=True) is p, fmt
         wide = gguf_blocks.held_for(p, bf16=False)
-        widened = {"q3_k": (q6, 3), "q2_k": (q6, 3), "iq4_nl": (q8, 4), "iq4_xs": (q8, 4)}
+        widened = {"q3_k": (q6, 3), "q2_k": (q6, 3), "q5_k": (q6, 1), "q5_0": (q6, 1), "q5_1": (q6, 1),
+                   "iq4_nl": (q8, 4), "iq4_xs": (q8, 4)}
         if fmt in widened:
             assert wide.format == widened[fmt][0], fmt
             assert wide.nbytes * 8 / (n * k) <= most + widened[fmt][1], fmt
@@ -214,26 +215,33 @@ def test_the_6_bit_layout_holds_every_code_and_refuses_wider_ones() -> None:
         packing.to_q6(packing.pack_q8(codes.clamp(-32, 31).index_fill(1, torch.tensor([5]), 32), scale, 32))
 
 
-def test_the_3_bit_layout_holds_every_code_and_gives_the_6_bit_layouts_products() -> None:
-    # Every code -4..3 at every position of a few units survives the 3-bit layout and its widening to 6 bits; the
+NARROW = {"q3": (-4, 3, lambda p: packing.to_q3(p)), "q5": (0, 31, lambda p: packing.to_q5(p, signed=False)),
+          "q5_signed": (-16, 15, lambda p: packing.to_q5(p, signed=True))}
+
+
+@pytest.mark.parametrize("layout", sorted(NARROW))
+def test_the_3_and_5_bit_layouts_hold_every_code_and_give_the_6_bit_layouts_products(layout: str) -> None:
+    # Every code of the layout's range at every position of a few blocks survives it and its widening to 6 bits; the
     # bfloat16 products over it (one row and blocks of many, one and two threads: each route the kernels take) equal
     # those over the same codes in 6 bits, bit for bit, with and without offsets; float32 compute refuses it (the
     # loader widens it, held_for).
-    # (random, not a pattern along k: a unit's four vectors are two tiles' rows of the same inputs, and codes that
-    # depend on the input alone would hide a vector decoded from another's bits)
-    codes = torch.randint(-4, 4, (64, 256), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
-    assert torch.equal(codes.unique(), torch.arange(-4, 4, dtype=torch.int8))
+    lo, hi, narrow = NARROW[layout]
+    bits = 3 if layout == "q3" else 5
+    # (random, not a pattern along k: a block's vectors are two tiles' rows of the same inputs, and codes that depend
+    # on the input alone would hide a vector decoded from another's bits)
+    codes = torch.randint(lo, hi + 1, (64, 256), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    assert torch.equal(codes.unique(), torch.arange(lo, hi + 1, dtype=torch.int8))
     scale = torch.rand(64, 256 // 16, generator=torch.Generator().manual_seed(1)) + 0.5
     offset = torch.rand(64, 256 // 16, generator=torch.Generator().manual_seed(4)) - 0.5
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
     threads = torch.get_num_threads()
     for off in (None, offset):
         q8 = packing.pack_q8(codes, scale, 16, off)
-        q3, q6 = packing.to_q3(q8), packing.to_q6(q8)
-        assert q3.data.numel() * 8 == 3 * q8.data.numel()
-        assert torch.equal(packing.codes_of(q3), codes)
-        assert torch.equal(packing.q3_as_q6(q3).data, q6.data)
-        a, b = kernel(q3, Compute.BF16), kernel(q6, Compute.BF16)
+        small, q6 = narrow(q8), packing.to_q6(q8)  # (every range here lies in Q6's -32..31)
+        assert small.data.numel() * 8 == bits * q8.data.numel()
+        assert torch.equal(packing.codes_of(small), codes)
+        assert torch.equal(packing.as_q6(small).data, q6.data)
+        a, b = kernel(small, Compute.BF16), kernel(q6, Compute.BF16)
         try:
             for count in (1, threads):
                 torch.set_num_threads(count)
@@ -243,11 +251,11 @@ def test_the_3_bit_layout_holds_every_code_and_gives_the_6_bit_layouts_products(
             torch.set_num_threads(threads)
         ids = torch.tensor([0, 31, 63])
         assert torch.equal(a.rows(ids), b.rows(ids))
-        with pytest.raises(RuntimeError, match="Q3 weights take bfloat16 products"):
-            native.load().PackedLinear(int(q3.format), int(Compute.F32), q3.n, q3.k, q3.group, False, q3.data,
-                                       q3.scale, q3.offset, None)
-    with pytest.raises(ValueError, match=r"-4\.\.3"):
-        packing.to_q3(packing.pack_q8(codes.index_fill(1, torch.tensor([5]), 4), scale, 16))
+        with pytest.raises(RuntimeError, match="take bfloat16 products"):
+            native.load().PackedLinear(int(small.format), int(Compute.F32), small.n, small.k, small.group,
+                                       small.q4_signed, small.data, small.scale, small.offset, None)
+    with pytest.raises(ValueError, match=rf"{lo}\.\.{hi}"):
+        narrow(packing.pack_q8(codes.index_fill(1, torch.tensor([5]), hi + 1), scale, 16))
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

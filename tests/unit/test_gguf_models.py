@@ -3,8 +3,9 @@
 - a tiny 2-layer Llama with every matrix in Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q3_K, Q2_K, IQ4_NL or IQ4_XS, or in
   Q4_K_M's mix (v and down in Q6_K: the fused qkv holds both), is served as its blocks (GetModelInfo names the
   formats) and gives one request the same greedy tokens alone, in a batch, with its prompt prefilled in chunks of
-  16 tokens, and as a prefix-cache hit (in float32, and the IQ4, Q3_K and Q2_K formats in bfloat16 too);
-- SmolLM2 with its MLP down projections in Q4_K and Q6_K (Q4_K_M's mix), in Q3_K and IQ4_XS, or in Q2_K and IQ4_NL
+  16 tokens, and as a prefix-cache hit (in float32, and every format but Q6_K in bfloat16 too);
+- SmolLM2 with its MLP down projections in Q4_K and Q6_K (Q4_K_M's mix), in Q5_K and Q5_0, in Q3_K and IQ4_XS, or in
+  Q2_K and IQ4_NL
   decodes, under teacher forcing, the greedy token of its own dequantized dense model (float32) at >= 97% of 320
   positions, served as blocks with bfloat16 activations.
 """
@@ -72,10 +73,13 @@ PROMPT = [(i * 7919) % 40000 + 100 for i in range(37)]  # two full pages and a p
 OTHERS = [[(i * 104729 + j * 31) % 40000 + 100 for j in range(3 + 11 * i)] for i in range(7)]
 
 
-# float32 models (every format's float32 products), and the IQ4, Q3_K and Q2_K formats in bfloat16 too: only
-# bfloat16 products read IQ4's 4-bit codes through the table and Q3_K's and Q2_K's 3-bit codes (float32 ones hold
-# them as int8 values and 6-bit codes).
-@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_m", *(f"{f}:bfloat16" for f in ("iq4_nl", "iq4_xs", "q3_k", "q2_k"))])
+# float32 models (every format's float32 products), and in bfloat16 too the formats whose codes only bfloat16
+# products read as stored: IQ4's 4-bit codes through their table, the 5- and 3-bit layouts (float32 ones hold them
+# as int8 values and 6-bit codes).
+BF16_HELD = ("iq4_nl", "iq4_xs", "q5_k", "q5_0", "q5_1", "q3_k", "q2_k")
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_m", *(f"{f}:bfloat16" for f in BF16_HELD)])
 def test_a_tiny_model_in_each_format_gives_the_same_tokens_on_every_route(fmt: str, tmp_path: Path) -> None:
     fmt, _, dtype = fmt.partition(":")
     dtype = dtype or "float32"
@@ -107,9 +111,10 @@ def test_a_tiny_model_in_each_format_gives_the_same_tokens_on_every_route(fmt: s
         chunked.shutdown()
 
 
-# The down projections' formats (even layers, odd layers): Q4_K_M's mix, then the 3- and 2-bit K-quants each beside
-# an IQ4 format.
+# The down projections' formats (even layers, odd layers): Q4_K_M's mix, the 5-bit formats, then the 3- and 2-bit
+# K-quants each beside an IQ4 format.
 MIXES = {"q4_k+q6_k": (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K),
+         "q5_k+q5_0": (gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q5_0),
          "q3_k+iq4_xs": (gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.IQ4_XS),
          "q2_k+iq4_nl": (gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.IQ4_NL)}
 

@@ -7,24 +7,23 @@ Each format's values are exactly those of gguf's `dequantize` (the reference; th
 | Q4_0 | 32: fp16 d, 4-bit q | Q4, fp16 scale | (q - 8) * d | 4.5 (4.5) |
 | Q4_1 | 32: fp16 d, m, 4-bit q | Q4, fp16 scale and offset | q * d + m | 5 (5) |
 | Q8_0 | 32: fp16 d, int8 q | Q8, fp16 scale | q * d | 8.5 (8.5) |
-| Q5_0 | 32: fp16 d, 5-bit q | Q6 (q - 16), fp16 scale | (q - 16) * d | 6.5 (5.5) |
-| Q5_1 | 32: fp16 d, m, 5-bit q | Q6 (q), fp16 scale and offset | q * d + m | 7 (6) |
+| Q5_0 | 32: fp16 d, 5-bit q | Q5 (q, signed: q - 16), fp16 scale | (q - 16) * d | 5.5 (5.5) |
+| Q5_1 | 32: fp16 d, m, 5-bit q | Q5 (q), fp16 scale and offset | q * d + m | 6 (6) |
 | Q4_K | 256: fp16 d, dmin; 8 x (6-bit sc, m, 32 x 4-bit q) | Q4, KScales | q * (d * sc) - dmin * m | 4.625 (4.5) |
-| Q5_K | 256: as Q4_K with 5-bit q | Q6 (q), KScales | q * (d * sc) - dmin * m | 6.625 (5.5) |
+| Q5_K | 256: as Q4_K with 5-bit q | Q5 (q), KScales | q * (d * sc) - dmin * m | 5.625 (5.5) |
 | Q6_K | 256: fp16 d; 16 x (int8 sc, 16 x 6-bit q) | Q6 (q - 32), KScales (16s) | (q - 32) * (d * sc) | 6.56 (6.56) |
 | Q3_K | 256: fp16 d; 16 x (6-bit sc, 3-bit q) | Q3 (q - 4), KScales (16s) | (q - 4) * (d * (sc-32)) | 3.56 (3.44) |
 | Q2_K | 256: fp16 d, dmin; 16 x (4-bit sc, m; q) | Q3 (q), KScales (16s) | q * (d * sc) - dmin * m | 4.13 (2.63) |
 | IQ4_NL | 32: fp16 d, 4-bit index i | Q4 (i: table T), fp16 scale | T[i] * d | 4.5 (4.5) |
 | IQ4_XS | 256: fp16 d; 8 x (6-bit sc, 32 x 4-bit i) | Q4 (i: table T), KScales | T[i] * (d * (sc - 32)) | 4.31 (4.25) |
 
-Q5_0, Q5_1, Q5_K and Q6_K hold their codes in 6 bits (packing.py's Q6: the products decode them into Q8's vectors
-a group at a time), so a Q5_K_M file's bulk takes 6.6 bits a weight against the file's 5.5, and Q4_K_M's Q6_K
-tensors (the output projection, some v and down projections) their own size. Q3_K and Q2_K hold theirs in 3 bits
-(packing.py's Q3, decoded like Q6's into the same products) for bfloat16 products; for float32 compute (`held_for`)
-in Q6's 6 bits, whose float32 and int16 kernels they then share. IQ4_NL and IQ4_XS index a table T of 16 int8 values
-(gguf's `IQ4_NL.kvalues`): held as their 4-bit codes in the Q4 layout, which bfloat16 products turn into values
-through that table (csrc's Q4Table) as they do Q4_0's q - 8; for float32 compute (`held_for`) as the table's int8
-values in the Q8 layout, value for value the same weight.
+Q6_K holds its codes in 6 bits (packing.py's Q6: the products decode them into Q8's vectors), so Q4_K_M's Q6_K
+tensors (the output projection, some v and down projections) take their own size; Q5_0, Q5_1 and Q5_K hold theirs in
+5 bits (Q5) and Q3_K and Q2_K in 3 (Q3), decoded like Q6's into the same products, for bfloat16 products; for
+float32 compute (`held_for`) in Q6's 6 bits, whose float32 and int16 kernels they then share. IQ4_NL and IQ4_XS
+index a table T of 16 int8 values (gguf's `IQ4_NL.kvalues`): held as their 4-bit codes in the Q4 layout, which
+bfloat16 products turn into values through that table (csrc's Q4Table) as they do Q4_0's q - 8; for float32 compute
+(`held_for`) as the table's int8 values in the Q8 layout, value for value the same weight.
 
 Everything here is numpy/torch on the host, run once per tensor at load, 2048 rows at a time (CHUNK_ROWS). The 4-bit
 formats (Q4_0, Q4_1, Q4_K: the bulk of most files) go from their blocks' bytes to the kernels' layout by 32-bit word
@@ -128,8 +127,10 @@ def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     high = _bits(b[..., at : at + 4], 8).transpose(0, 1, 3, 2).reshape(n, -1, 32)  # bit i of the LE word: element i
     q = _nibbles(b[..., at + 4 :]).reshape(n, -1, 32) | (high << 4)  # 0..31
     if ggml_type == Q5_0:
-        return packing.to_q6(packing.pack_q8(_tensor(q.astype(np.int8) - 16, n, k, torch.int8), d, 32, name="q5_0"))
-    return packing.to_q6(packing.pack_q8(_tensor(q.astype(np.int8), n, k, torch.int8), d, 32, m, name="q5_1"))
+        return packing.to_q5(packing.pack_q8(_tensor(q.astype(np.int8) - 16, n, k, torch.int8), d, 32, name="q5_0"),
+                             signed=True)
+    return packing.to_q5(packing.pack_q8(_tensor(q.astype(np.int8), n, k, torch.int8), d, 32, m, name="q5_1"),
+                         signed=False)
 
 
 def _q4_group_tiles(qs: np.ndarray, n: int, signed: bool) -> torch.Tensor:
@@ -143,12 +144,12 @@ def _q4_group_tiles(qs: np.ndarray, n: int, signed: bool) -> torch.Tensor:
 def held_for(p: PackedWeight, bf16: bool) -> PackedWeight:
     """The weight as products of this compute type take it. For float32 compute: an IQ4 weight (Q4 codes indexing
     IQ4_VALUES), whose kernels take codes as linear, as its table's int8 values in the Q8 layout (the same weight,
-    twice the bytes); a Q3 weight in Q6's layout (its float32 and int16 kernels; twice the bits). Anything else, and
-    everything for bfloat16 compute, as it is."""
+    twice the bytes); a Q3 or Q5 weight in Q6's layout (its float32 and int16 kernels). Anything else, and everything
+    for bfloat16 compute, as it is."""
     if bf16:
         return p
-    if p.format == WeightFormat.Q3:
-        return packing.q3_as_q6(p)
+    if p.format in (WeightFormat.Q3, WeightFormat.Q5):
+        return packing.as_q6(p)
     if not p.iq4:
         return p
     values = packing.iq4_values(packing.codes_of(p))  # [n, k] int8
@@ -184,7 +185,7 @@ def _pack_k(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
         return packing.pack_k_tiled(WeightFormat.Q4, data, n, k, 32, ks, "q4_k")
     q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
     q = q | (_bits(b[..., 16:48], 8) << 4)  # bit j of byte i: the fifth bit of sub-block j's element i
-    return packing.pack_k(WeightFormat.Q6, _tensor(q.astype(np.int8), n, k, torch.int8), 32, ks, "q5_k")
+    return packing.pack_k(WeightFormat.Q5, _tensor(q.astype(np.int8), n, k, torch.int8), 32, ks, "q5_k")
 
 
 def _two_bits(qs: np.ndarray, n: int) -> np.ndarray:

@@ -23,6 +23,7 @@ from lmrpc.kernels.packing import (
     pack_q8,
     q4_data,
     to_q3,
+    to_q5,
     to_q6,
 )
 from lmrpc.kernels.tiles import PAIR_TILES, per_group
@@ -102,6 +103,8 @@ def _repack(like: PackedWeight, codes: torch.Tensor, scale: torch.Tensor, offset
         return to_q6(pack_q8(codes, scale, like.group, offset, like.name))
     if like.format == WeightFormat.Q3:
         return to_q3(pack_q8(codes, scale, like.group, offset, like.name))
+    if like.format == WeightFormat.Q5:
+        return to_q5(pack_q8(codes, scale, like.group, offset, like.name), like.q4_signed)
     n, k = codes.shape  # (padded as `like` was: Q4_0's codes with 8, IQ4's table indices and Q4_1's with 0)
     data = q4_data(codes, like.q4_signed)
     return replace(pack_q4_tiled(data, n, k, scale, offset, like.name), q4_signed=like.q4_signed)

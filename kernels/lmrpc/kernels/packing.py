@@ -16,7 +16,9 @@ Quantized weights keep integer codes with float32 scales (and offsets) per group
   tensors take about their own size.
 - Q3: Q8 whose codes lie in -4..3 held in 3 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q3_K, Q2_K);
   bfloat16 products only (float32 compute holds them as Q6: gguf_blocks.held_for).
-- GGUF K-quants (Q4_K and IQ4_XS as Q4; Q2_K and Q3_K as Q3; Q5_K and Q6_K as Q6) keep the file's scales as they are
+- Q5: 5-bit codes as the file stores them (0..31; `q4_signed`: value q - 16) in the same kind of layout, in groups of
+  32 (GGUF Q5_0, Q5_1, Q5_K); bfloat16 products only, as Q3.
+- GGUF K-quants (Q4_K and IQ4_XS as Q4; Q2_K and Q3_K as Q3; Q5_K as Q5; Q6_K as Q6) keep the file's scales as they are
   (`KScales`: per super-block fp16 d and dmin, per group 8-bit sc and m); the kernels fold each group with d * sc
   and -(dmin * m), exact in float32. gguf_blocks.py reads every GGUF block format into these layouts.
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lmrpc.kernels import code_layouts
 from lmrpc.kernels.tiles import PAIR_TILES, TILE, group_tiles, pad, per_group, round_up, tiles, untile, untiled
 
 MIN_SCALE = 2.0**-24  # the smallest positive float16: a group of zeros keeps a non-zero scale
@@ -46,6 +49,7 @@ class WeightFormat(enum.IntEnum):
     Q8 = 3
     Q6 = 4
     Q3 = 5
+    Q5 = 6
 
 
 class Compute(enum.IntEnum):
@@ -79,7 +83,7 @@ class PackedWeight:
     n: int  # output features
     k: int  # input features
     group: int  # quantized: inputs per scale group; dense: the padded k
-    q4_signed: bool  # Q4 codes are offset by 8 (GGUF Q4_0) instead of carrying offsets
+    q4_signed: bool  # Q4 codes are offset by 8 (GGUF Q4_0), Q5 codes by 16 (Q5_0), instead of carrying offsets
     data: torch.Tensor  # packed codes or values (uint8, int8, bfloat16 or float32)
     scale: torch.Tensor | None  # [n_pad / 32, groups, 2, 16] float16 (quantized), else None
     offset: torch.Tensor | None  # [n_pad / 32, groups, 2, 16] float16 (with offsets), else None
@@ -88,7 +92,7 @@ class PackedWeight:
 
     @property
     def quantized(self) -> bool:
-        return self.format in (WeightFormat.Q4, WeightFormat.Q8, WeightFormat.Q6, WeightFormat.Q3)
+        return self.format in (WeightFormat.Q4, WeightFormat.Q8, WeightFormat.Q6, WeightFormat.Q3, WeightFormat.Q5)
 
     @property
     def nbytes(self) -> int:
@@ -179,69 +183,35 @@ def _q8_data(codes: torch.Tensor, group: int) -> torch.Tensor:
     return tiles(pad(codes.to(torch.int8), round_up(n, PAIR_TILES), round_up(k, group)))
 
 
-def _q6_data(q8: torch.Tensor) -> torch.Tensor:
-    """Q8 data [pairs, kpairs, 2, 16, 2] (codes -32..31) -> the Q6 layout [pairs, kpairs / 2, 3, 32] uint8: per
-    four Q8 vectors, the low 4 bits of vectors 0 and 1 (low and high nibbles), of 2 and 3, then the top 2 bits of
-    vector i in bits 2i, 2i + 1; each code as q + 32."""
-    if q8.numel() and (int(q8.min()) < -32 or int(q8.max()) > 31):
-        raise ValueError("Q6 holds codes -32..31")
-    u = (q8.to(torch.int16) + 32).to(torch.uint8).view(q8.shape[0], -1, 4, 32)  # [pairs, units, vector, byte]
-    low, top = u & 0x0F, u >> 4
-    return torch.stack([low[:, :, 0] | (low[:, :, 1] << 4), low[:, :, 2] | (low[:, :, 3] << 4),
-                        top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)], dim=2)
-
-
-def _q8_of_q6(data: torch.Tensor) -> torch.Tensor:
-    """The inverse of _q6_data: [pairs, kpairs, 2, 16, 2] int8."""
-    a, b, h = data[:, :, 0], data[:, :, 1], data[:, :, 2]
-    vectors = [(a & 0x0F), (a >> 4), (b & 0x0F), (b >> 4)]
-    u = torch.stack([v | (((h >> (2 * i)) & 3) << 4) for i, v in enumerate(vectors)], dim=2)
-    return (u.to(torch.int16) - 32).to(torch.int8).view(data.shape[0], -1, 2, TILE, 2)
-
-
 def to_q6(p: PackedWeight) -> PackedWeight:
     """A Q8 weight whose codes lie in -32..31, held in 6 bits a code (Q6): the same weight."""
     if p.format != WeightFormat.Q8 or p.group not in (16, 32):
         raise ValueError("Q6 holds Q8 weights in groups of 16 or 32")
-    return replace(p, format=WeightFormat.Q6, data=_q6_data(p.data))
-
-
-def _q3_data(q8: torch.Tensor) -> torch.Tensor:
-    """Q8 data [pairs, kpairs, 2, 16, 2] (codes -4..3, kpairs a multiple of 8) -> the Q3 layout [pairs, kpairs / 8,
-    192] uint8: per 16 Q8 vectors, three lines of 32 little-endian 16-bit words, word l of line j holding lane l of
-    vector 5j + s in bits 3s..3s + 2 and bit j of lane l of vector 15 in bit 15; each code as q + 4."""
-    if q8.numel() and (int(q8.min()) < -4 or int(q8.max()) > 3):
-        raise ValueError("Q3 holds codes -4..3")
-    u = (q8.to(torch.int32) + 4).view(q8.shape[0], -1, 16, 32)  # [pairs, blocks, vector, lane]
-    lines = [sum(u[:, :, 5 * j + s] << (3 * s) for s in range(5)) | (((u[:, :, 15] >> j) & 1) << 15)
-             for j in range(3)]
-    words = torch.stack(lines, dim=2)  # [pairs, blocks, line, lane] 0..65535
-    return torch.stack([words & 0xFF, words >> 8], dim=4).to(torch.uint8).view(q8.shape[0], -1, 192)
-
-
-def _q8_of_q3(data: torch.Tensor) -> torch.Tensor:
-    """The inverse of _q3_data: [pairs, kpairs, 2, 16, 2] int8."""
-    b = data.view(data.shape[0], -1, 3, 32, 2).to(torch.int32)
-    words = b[..., 0] | (b[..., 1] << 8)  # [pairs, blocks, line, lane]
-    top = (words >> 15) & 1  # [pairs, blocks, line, lane]: bit j of vector 15's codes
-    vectors = [(words[:, :, i // 5] >> (3 * (i % 5))) & 7 for i in range(15)]
-    vectors.append(top[:, :, 0] | (top[:, :, 1] << 1) | (top[:, :, 2] << 2))
-    u = torch.stack(vectors, dim=2)  # [pairs, blocks, vector, lane]
-    return (u - 4).to(torch.int8).view(data.shape[0], -1, 2, TILE, 2)
+    return replace(p, format=WeightFormat.Q6, data=code_layouts.q6_data(p.data))
 
 
 def to_q3(p: PackedWeight) -> PackedWeight:
     """A Q8 weight whose codes lie in -4..3, held in 3 bits a code (Q3): the same weight."""
     if p.format != WeightFormat.Q8 or p.group not in (16, 32):
         raise ValueError("Q3 holds Q8 weights in groups of 16 or 32")
-    return replace(p, format=WeightFormat.Q3, data=_q3_data(p.data))
+    return replace(p, format=WeightFormat.Q3, data=code_layouts.q3_data(p.data))
 
 
-def q3_as_q6(p: PackedWeight) -> PackedWeight:
-    """A Q3 weight held in 6 bits a code (Q6): the same weight, for kernels that take Q6 and not Q3."""
-    if p.format != WeightFormat.Q3:
-        raise ValueError("a Q3 weight is widened to Q6")
-    return replace(p, format=WeightFormat.Q6, data=_q6_data(_q8_of_q3(p.data)))
+def to_q5(p: PackedWeight, signed: bool) -> PackedWeight:
+    """A Q8 weight whose codes lie in 0..31 (or -16..15, signed), held in 5 bits a code (Q5): the same weight."""
+    if p.format != WeightFormat.Q8 or p.group not in (16, 32):
+        raise ValueError("Q5 holds Q8 weights in groups of 16 or 32")
+    return replace(p, format=WeightFormat.Q5, q4_signed=signed, data=code_layouts.q5_data(p.data, signed))
+
+
+def as_q6(p: PackedWeight) -> PackedWeight:
+    """A Q3 or Q5 weight held in 6 bits a code (Q6): the same weight, for kernels that take Q6 and not these."""
+    if p.format == WeightFormat.Q3:
+        return replace(p, format=WeightFormat.Q6, data=code_layouts.q6_data(code_layouts.q8_of_q3(p.data)))
+    if p.format == WeightFormat.Q5:
+        codes = code_layouts.q8_of_q5(p.data, p.q4_signed)
+        return replace(p, format=WeightFormat.Q6, q4_signed=False, data=code_layouts.q6_data(codes))
+    raise ValueError("Q3 and Q5 weights are widened to Q6")
 
 
 def code_pairs(codes: torch.Tensor) -> torch.Tensor:
@@ -309,17 +279,19 @@ def pack_q4_tiled(data: torch.Tensor, n: int, k: int, scale: torch.Tensor, offse
 
 
 def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales, name: str) -> PackedWeight:
-    """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32), Q8 (int8 codes), Q6 (-32..31) or Q3
-    (-4..3)."""
+    """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32), Q8 (int8 codes), Q6 (-32..31), Q5
+    (0..31) or Q3 (-4..3)."""
     n, k = codes.shape
     if fmt == WeightFormat.Q4:
         data = q4_data(codes, False)
     else:
         data = _q8_data(codes, group)
         if fmt == WeightFormat.Q6:
-            data = _q6_data(data)
+            data = code_layouts.q6_data(data)
         elif fmt == WeightFormat.Q3:
-            data = _q3_data(data)
+            data = code_layouts.q3_data(data)
+        elif fmt == WeightFormat.Q5:
+            data = code_layouts.q5_data(data, signed=False)
     return pack_k_tiled(fmt, data, n, k, group, kscales, name)
 
 
@@ -356,9 +328,11 @@ def dequantize(p: PackedWeight) -> torch.Tensor:
 def _padded_codes(p: PackedWeight) -> torch.Tensor:
     """Codes (quantized) or values (dense) [n_pad, k_pad] in their stored dtype."""
     if p.format == WeightFormat.Q6:
-        return untile(_q8_of_q6(p.data))
+        return untile(code_layouts.q8_of_q6(p.data))
     if p.format == WeightFormat.Q3:
-        return untile(_q8_of_q3(p.data))
+        return untile(code_layouts.q8_of_q3(p.data))
+    if p.format == WeightFormat.Q5:
+        return untile(code_layouts.q8_of_q5(p.data, p.q4_signed))
     if p.format != WeightFormat.Q4:
         return untile(p.data)
     pairs, groups = p.data.shape[0], p.data.shape[1]

@@ -12,7 +12,9 @@ enum class WeightFormat : int32_t {
   Q4 = 2,    // 4-bit codes q in groups of 32, value (q - 8 if q4_signed else q) * scale + offset (iq4: T[q] * scale)
   Q8 = 3,    // signed 8-bit codes in groups of `group` elements, value q * scale (+ offset)
   Q6 = 4,    // Q8 whose codes lie in -32..31 (GGUF Q5_0, Q5_1, Q5_K, Q6_K), held in 6 bits: see kQ6UnitBytes
-  Q3 = 5,    // Q8 whose codes lie in -4..3 (GGUF Q3_K, Q2_K), held in 3 bits: see kQ3UnitBytes (bf16 products only)
+  Q3 = 5,    // Q8 whose codes lie in -4..3 (GGUF Q3_K, Q2_K), held in 3 bits: see kQ3BlockBytes (bf16 products only)
+  Q5 = 6,    // 5-bit codes q, value (q - 16 if q4_signed else q) * scale + offset (GGUF Q5_0, Q5_1, Q5_K), held as
+             // kQ5BlockBytes says (bf16 products only)
 };
 
 // A Q6 weight holds Q8's kpair vectors (32 codes each, in Q8's order) four at a time, each four in 96 bytes: bytes
@@ -31,6 +33,13 @@ constexpr int64_t kQ6UnitBytes = 96;
 // held in 3.56 and 4.13 with the scales), not Q6's 6.
 constexpr int64_t kQ3BlockBytes = 192;
 constexpr int64_t kQ3UnitBytes = kQ3BlockBytes / 4;  // per unit of four Q8 vectors, on average (offsets)
+
+// A Q5 weight holds its codes as Q3 does, sixteen vectors to a block, in five lines of 32 16-bit words: word l of
+// line j holds lane l of vector 3j + s in bits 5s..5s + 4 (s = 0..2) and bit j of lane l of vector 15 in bit 15; each
+// code as the file stores it (0..31; q4_signed: value q - 16, GGUF Q5_0). A vector is one shift of a line and one
+// table lookup (vpermw reads the index's 5 low bits). Q5_K_M files' bulk takes 5.625 bits a weight (file 5.5).
+constexpr int64_t kQ5BlockBytes = 320;
+constexpr int64_t kQ5UnitBytes = kQ5BlockBytes / 4;
 
 // GGUF K-quant scales (Q4_K, Q5_K, Q6_K), kept as the file stores them instead of as one float per group: per
 // output and super-block of 2^`super_shift` groups, fp16 d (and dmin); per output and group, 8-bit multipliers sc
@@ -63,7 +72,7 @@ struct PackedWeight {
   int64_t n, k;          // logical output and input features
   int64_t n_pad, k_pad;  // padded sizes
   int64_t group;         // quantized: inputs per scale group (32 for Q4); dense: k_pad
-  bool q4_signed;        // Q4_0 (q - 8) rather than Q4_1 (q with an offset)
+  bool q4_signed;        // Q4_0 (q - 8) rather than Q4_1 (q with an offset); Q5: Q5_0 (q - 16)
   const void* data;      // packed codes or values
   const uint16_t* scale;   // quantized: fp16 [n_pad / 32][groups][2][16]; dense: null
   const uint16_t* offset;  // Q4 with offsets: fp16, laid out as scale; else null
@@ -96,7 +105,7 @@ struct PackedWeight {
   bool k_scaled() const { return ks.d != nullptr; }
   bool quantized() const {
     return format == WeightFormat::Q4 || format == WeightFormat::Q8 || format == WeightFormat::Q6 ||
-           format == WeightFormat::Q3;
+           format == WeightFormat::Q3 || format == WeightFormat::Q5;
   }
   // Whether groups carry offsets (the products then need each row's group sums).
   bool has_offsets() const { return offset != nullptr || ks.dmin != nullptr; }

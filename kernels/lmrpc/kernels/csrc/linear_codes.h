@@ -37,6 +37,18 @@ inline int q3_code(const uint8_t* block, int i, int64_t b) {
   return ((word(0) >> 15) | ((word(1) >> 15) << 1) | ((word(2) >> 15) << 2)) - 4;
 }
 
+// The value of lane b of Q8 vector i (0..15) of a Q5 block (linear.h): its code, less 16 if `is_signed`.
+inline int q5_code(const uint8_t* block, int i, int64_t b, bool is_signed) {
+  const auto word = [&](int line) { return block[64 * line + 2 * b] | (block[64 * line + 2 * b + 1] << 8); };
+  int c = 0;
+  if (i < 15) {
+    c = (word(i / 3) >> (5 * (i % 3))) & 31;
+  } else {
+    for (int j = 0; j < 5; ++j) c |= (word(j) >> 15) << j;
+  }
+  return is_signed ? c - 16 : c;
+}
+
 // bf16 values of the 16 codes, twice: vpermw reads 5 bits of an index, and with the table doubled its fifth bit (a
 // high nibble's lowest, q4_chunk) never changes the value picked.
 struct Q4Table {
@@ -269,6 +281,40 @@ inline void decode_q3(const uint8_t* src, int64_t units, int8_t* dst) {
   for (int64_t blk = 0; blk < units / 4; ++blk, src += kQ3BlockBytes, dst += 512) {
     for (int i = 0; i < 16; ++i)
       for (int b = 0; b < 32; ++b) dst[32 * i + b] = static_cast<int8_t>(q3_code(src, i, b));
+  }
+#endif
+}
+
+// Q5 blocks (linear.h: kQ5BlockBytes each, `units` / 4 of them) -> the Q8 vectors they hold (16 a block, 32 int8
+// each: the codes, less 16 if `is_signed`).
+inline void decode_q5(const uint8_t* src, int64_t units, bool is_signed, int8_t* dst) {
+#if LMRPC_AVX512 || LMRPC_AVX2
+  const __m256i mask = _mm256_set1_epi16(31), bias = _mm256_set1_epi16(is_signed ? 16 : 0);
+  for (int64_t blk = 0; blk < units / 4; ++blk, src += kQ5BlockBytes, dst += 512) {
+    __m256i lines[5][2];  // [line][lanes 0-15, 16-31]
+    for (int j = 0; j < 5; ++j)
+      for (int h = 0; h < 2; ++h) lines[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * j + 32 * h));
+    for (int i = 0; i < 16; ++i) {
+      __m256i half[2];
+      for (int h = 0; h < 2; ++h) {
+        if (i < 15) {
+          half[h] = _mm256_and_si256(_mm256_srl_epi16(lines[i / 3][h], _mm_cvtsi32_si128(5 * (i % 3))), mask);
+        } else {
+          half[h] = _mm256_setzero_si256();
+          for (int j = 0; j < 5; ++j) {
+            half[h] = _mm256_or_si256(half[h], _mm256_slli_epi16(_mm256_srli_epi16(lines[j][h], 15), j));
+          }
+        }
+        half[h] = _mm256_sub_epi16(half[h], bias);
+      }
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(half[0], half[1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * i), packed);
+    }
+  }
+#else
+  for (int64_t blk = 0; blk < units / 4; ++blk, src += kQ5BlockBytes, dst += 512) {
+    for (int i = 0; i < 16; ++i)
+      for (int b = 0; b < 32; ++b) dst[32 * i + b] = static_cast<int8_t>(q5_code(src, i, b, is_signed));
   }
 #endif
 }

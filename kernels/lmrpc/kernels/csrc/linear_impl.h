@@ -133,7 +133,7 @@ LMRPC_INLINE void prefetch_scales(const PackedWeight& w, int64_t pair, int64_t g
 }
 #endif
 
-// Q6 and Q3 weights' groups are at most this many inputs (GGUF's 16 and 32): a group's codes decode into a stack
+// Q6, Q5 and Q3 weights' groups are at most this many inputs (GGUF's 16 and 32): a group's codes decode into a stack
 // buffer.
 constexpr int64_t kMaxQ6Group = 32;
 
@@ -145,6 +145,11 @@ inline const uint8_t* q6_group(const PackedWeight& w, int64_t vector) {
 // Where Q8 vector `vector` (a group's first) starts in a Q3 weight's blocks.
 inline const uint8_t* q3_group(const PackedWeight& w, int64_t vector) {
   return static_cast<const uint8_t*>(w.data) + vector / 16 * kQ3BlockBytes;
+}
+
+// Where Q8 vector `vector` (a group's first) starts in a Q5 weight's blocks.
+inline const uint8_t* q5_group(const PackedWeight& w, int64_t vector) {
+  return static_cast<const uint8_t*>(w.data) + vector / 16 * kQ5BlockBytes;
 }
 
 // Offsets of tile pair p, group g in the packed arrays.
@@ -184,6 +189,10 @@ struct ExpandSource {
     } else if (w.format == WeightFormat::Q3) {
       alignas(64) int8_t codes[kMaxQ6Group * 32];
       decode_q3(q3_group(w, at.vectors(g)), at.gkp / 2, codes);
+      expand_q8<T>(codes, 2 * at.gkp, dst);
+    } else if (w.format == WeightFormat::Q5) {
+      alignas(64) int8_t codes[kMaxQ6Group * 32];
+      decode_q5(q5_group(w, at.vectors(g)), at.gkp / 2, w.q4_signed, codes);
       expand_q8<T>(codes, 2 * at.gkp, dst);
     } else {
       expand_q8<T>(static_cast<const int8_t*>(w.data) + at.vectors(g) * 32, 2 * at.gkp, dst);

@@ -1,6 +1,6 @@
 // Micro-kernels of the row-invariant products (run by linear_products.cpp): R rows x P tile pairs over every group
 // in AVX512-BF16 registers, AVX2 registers (linear_kernels_avx2.h) or portable loops, and Q4 codes expanded in
-// registers for R rows (block_q4) or one (one_row_q4_bf16); Q8, Q6 and Q3 codes: linear_kernels_codes.h.
+// registers for R rows (block_q4) or one (one_row_q4_bf16); Q8, Q6, Q5 and Q3 codes: linear_kernels_codes.h.
 #pragma once
 
 #include <cmath>

@@ -1,4 +1,4 @@
-// Micro-kernels of the row-invariant products over 8-, 6- and 3-bit codes (Q8, Q6 and Q3 weights, run by
+// Micro-kernels of the row-invariant products over 8-, 6-, 5- and 3-bit codes (Q8, Q6, Q5 and Q3 weights, run by
 // linear_products.cpp): R rows x one tile pair with each unit of four kpair vectors made bf16 in registers once per
 // block of rows (block_codes), and one row of P tile pairs over the codes as stored (one_row_q8_bf16,
 // one_row_units_bf16). The sums and their order are those of linear_kernels.h's kernels over expanded codes.
@@ -80,6 +80,38 @@ LMRPC_INLINE __m512i q3_vector_bf16(const uint8_t* block, __m512i lut) {
   }
 }
 
+// bf16 values of a Q5 weight's 32 codes (less 16 when signed: GGUF Q5_0).
+struct Q5Table {
+  alignas(64) uint16_t bf16[32];
+  explicit Q5Table(bool is_signed) {
+    for (int c = 0; c < 32; ++c) bf16[c] = f32_to_bf16(static_cast<float>(is_signed ? c - 16 : c));
+  }
+};
+
+inline const Q5Table& q5_table(bool is_signed) {
+  static const Q5Table tables[2] = {Q5Table(false), Q5Table(true)};
+  return tables[is_signed ? 1 : 0];
+}
+
+// Vector i (0..15) of a Q5 block (linear.h) as bf16, decoded in registers: a line shifted so that the code is bits
+// 0-4 of a table index (vpermw reads no more); vector 15's bits gathered from the five lines' bit 15.
+template <int I>
+LMRPC_INLINE __m512i q5_vector_bf16(const uint8_t* block, __m512i lut) {
+  const auto line = [&](int j) { return _mm512_loadu_si512(block + 64 * j); };
+  if constexpr (I < 15) {
+    const __m512i words = line(I / 3);
+    return _mm512_permutexvar_epi16(I % 3 == 0 ? words : _mm512_srli_epi16(words, 5 * (I % 3)), lut);
+  } else {
+    __m512i index = _mm512_srli_epi16(line(0), 15);
+    // 0xca: the second operand's bits where the first has ones (bit j), the third's elsewhere
+    index = _mm512_ternarylogic_epi32(_mm512_set1_epi16(2), _mm512_srli_epi16(line(1), 14), index, 0xca);
+    index = _mm512_ternarylogic_epi32(_mm512_set1_epi16(4), _mm512_srli_epi16(line(2), 13), index, 0xca);
+    index = _mm512_ternarylogic_epi32(_mm512_set1_epi16(8), _mm512_srli_epi16(line(3), 12), index, 0xca);
+    index = _mm512_ternarylogic_epi32(_mm512_set1_epi16(16), _mm512_srli_epi16(line(4), 11), index, 0xca);
+    return _mm512_permutexvar_epi16(index, lut);
+  }
+}
+
 // 32 8-bit codes (a kpair vector) as bf16, in registers: the values expand_q8 writes.
 LMRPC_INLINE __m512i q8_vector_bf16(const int8_t* codes) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
@@ -94,6 +126,7 @@ LMRPC_INLINE __m512i q8_vector_bf16(const int8_t* codes) {
 struct Q8Units {
   static constexpr int kPer = 1;
   static constexpr int64_t kBlockBytes = 128;
+  explicit Q8Units(const PackedWeight&) {}
   static const uint8_t* group(const PackedWeight& w, int64_t vector) {
     return static_cast<const uint8_t*>(w.data) + vector * 32;
   }
@@ -105,7 +138,8 @@ struct Q6Units {
   static constexpr int kPer = 1;
   static constexpr int64_t kBlockBytes = kQ6UnitBytes;
   __m512i lut_lo, lut_hi;
-  Q6Units() : lut_lo(_mm512_load_si512(q6_table().bf16)), lut_hi(_mm512_load_si512(q6_table().bf16 + 32)) {}
+  explicit Q6Units(const PackedWeight&)
+      : lut_lo(_mm512_load_si512(q6_table().bf16)), lut_hi(_mm512_load_si512(q6_table().bf16 + 32)) {}
   static const uint8_t* group(const PackedWeight& w, int64_t vector) { return q6_group(w, vector); }
   LMRPC_INLINE void decode(const uint8_t* block, int, __m512i (&v)[4]) const {
     q6_unit_bf16(block, lut_lo, lut_hi, v);
@@ -115,7 +149,7 @@ struct Q3Units {
   static constexpr int kPer = 4;
   static constexpr int64_t kBlockBytes = kQ3BlockBytes;
   __m512i lut;
-  Q3Units() : lut(_mm512_load_si512(q3_table().bf16)) {}
+  explicit Q3Units(const PackedWeight&) : lut(_mm512_load_si512(q3_table().bf16)) {}
   static const uint8_t* group(const PackedWeight& w, int64_t vector) { return q3_group(w, vector); }
   // (callers unroll their loop over w, so each case is one straight run of vectors)
   LMRPC_INLINE void decode(const uint8_t* block, int w, __m512i (&v)[4]) const {
@@ -134,15 +168,37 @@ struct Q3Units {
     v[3] = q3_vector_bf16<4 * W + 3>(block, lut);
   }
 };
+struct Q5Units {
+  static constexpr int kPer = 4;
+  static constexpr int64_t kBlockBytes = kQ5BlockBytes;
+  __m512i lut;
+  explicit Q5Units(const PackedWeight& w) : lut(_mm512_load_si512(q5_table(w.q4_signed).bf16)) {}
+  static const uint8_t* group(const PackedWeight& w, int64_t vector) { return q5_group(w, vector); }
+  LMRPC_INLINE void decode(const uint8_t* block, int w, __m512i (&v)[4]) const {  // (callers unroll over w)
+    switch (w) {
+      case 0: units<0>(block, v); break;
+      case 1: units<1>(block, v); break;
+      case 2: units<2>(block, v); break;
+      default: units<3>(block, v); break;
+    }
+  }
+  template <int W>
+  LMRPC_INLINE void units(const uint8_t* block, __m512i (&v)[4]) const {
+    v[0] = q5_vector_bf16<4 * W>(block, lut);
+    v[1] = q5_vector_bf16<4 * W + 1>(block, lut);
+    v[2] = q5_vector_bf16<4 * W + 2>(block, lut);
+    v[3] = q5_vector_bf16<4 * W + 3>(block, lut);
+  }
+};
 
-// R rows x one tile pair of Q8, Q6 or Q3 weights over every group, four kpair vectors at a time (a unit: kpairs 2u
+// R rows x one tile pair of Q8, Q6, Q5 or Q3 weights over every group, four kpair vectors at a time (a unit: kpairs 2u
 // and 2u + 1, both tiles) made bf16 in registers and used by all R rows: the operations of block_bf16<R, 1, true>
 // over expanded codes, without a copy of 2 bytes a weight.
 template <int R, typename Units, bool KS>
 void block_codes_ks(const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb) {
   const int64_t gkp = w.group / 2;
   const PairIndex at{&w, p, groups, gkp, w.k_pad / 2};
-  const Units units;
+  const Units units(w);
   rows_over_groups<R, KS>(w, p, groups, rb, [&](__m512 (&acc)[R][2], int64_t g) LMRPC_LAMBDA_INLINE {
     const uint8_t* first = Units::group(w, at.vectors(g));
     for (int64_t b = 0; b < gkp / 2 / Units::kPer; ++b) {
@@ -218,14 +274,14 @@ void one_row_q8_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const 
   one_row_grouped<P>(w, p, gkp / 2, sums, out, unit, no_prefetch);
 }
 
-// One row, Q6 (1.7B Q4_K_M's Q6_K output head and down projections) or Q3 (Q3_K_M's and Q2_K's bulk): a group's
+// One row, Q6 (1.7B Q4_K_M's Q6_K output head and down projections), Q5 (Q5_K_M's bulk) or Q3 (Q3_K_M's and Q2_K's): a group's
 // pieces are its units (kpairs 2u and 2u + 1 of both tiles), each decoded in registers (against a group decoded to
 // 8-bit codes, then to bf16 in a buffer).
 template <int P, typename Units>
 void one_row_units_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const float* sums, float* out) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
   const int64_t blocks = gkp / 2 / Units::kPer, group_bytes = blocks * Units::kBlockBytes;
-  const Units decoder;
+  const Units decoder(w);
   const uint8_t* pairs[P];  // each pair's first group
   for (int q = 0; q < P; ++q) pairs[q] = Units::group(w, PairIndex{&w, p + q, groups, gkp, kp}.vectors(0));
   auto block = [&](__m512 (&acc)[2 * P], int64_t g, int64_t b) LMRPC_LAMBDA_INLINE {  // its units in order

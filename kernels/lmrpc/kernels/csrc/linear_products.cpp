@@ -129,7 +129,7 @@ void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& 
   });
 }
 
-// Q8, Q6 and Q3 weights without expanded codes, bf16 products, many rows: as many_rows_codes, each unit of four
+// Q8, Q6, Q5 and Q3 weights without expanded codes, bf16 products, many rows: as many_rows_codes, each unit of four
 // kpair vectors made bf16 in registers once per block of rows (block_codes).
 template <typename Units>
 void codes_in_registers(int rows, const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb) {
@@ -150,6 +150,7 @@ void many_rows_codes_in_registers(const PackedWeight& w, const Inputs& in, const
     switch (w.format) {
       case WeightFormat::Q6: codes_in_registers<Q6Units>(rows, w, p, groups, rb); break;
       case WeightFormat::Q3: codes_in_registers<Q3Units>(rows, w, p, groups, rb); break;
+      case WeightFormat::Q5: codes_in_registers<Q5Units>(rows, w, p, groups, rb); break;
       default: codes_in_registers<Q8Units>(rows, w, p, groups, rb); break;
     }
   });
@@ -227,7 +228,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
         for (int q = 0; q < P; ++q) many_rows_q4(w, in, a, rr, p + q, table);
       } else if (w.codes != nullptr) {
         for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, rr, p + q);
-      } else {  // Q8, Q6 or Q3 without a copy
+      } else {  // Q8, Q6, Q5 or Q3 without a copy
         for (int q = 0; q < P; ++q) many_rows_codes_in_registers(w, in, a, rr, p + q);
       }
       return;
@@ -240,6 +241,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
         case WeightFormat::Q4: one_row_q4_bf16<P>(w, p, table, x, sums, row); break;
         case WeightFormat::Q6: one_row_units_bf16<P, Q6Units>(w, p, x, sums, row); break;
         case WeightFormat::Q3: one_row_units_bf16<P, Q3Units>(w, p, x, sums, row); break;
+        case WeightFormat::Q5: one_row_units_bf16<P, Q5Units>(w, p, x, sums, row); break;
         default: one_row_q8_bf16<P>(w, p, x, sums, row); break;
       }
       epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));

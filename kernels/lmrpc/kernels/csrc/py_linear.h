@@ -42,13 +42,14 @@ class PackedLinear {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
     const bool quantized =
         fmt == lmrpc::WeightFormat::Q4 || fmt == lmrpc::WeightFormat::Q8 || fmt == lmrpc::WeightFormat::Q6 ||
-        fmt == lmrpc::WeightFormat::Q3;
+        fmt == lmrpc::WeightFormat::Q3 || fmt == lmrpc::WeightFormat::Q5;
     const int64_t n_pad = (n + 31) / 32 * 32;
     const int64_t k_pad = quantized ? (k + group - 1) / group * group : (k + 3) / 4 * 4;
     TORCH_CHECK(k_pad % 4 == 0 && (!quantized || group % 4 == 0), "group and padded k must be multiples of 4");
     TORCH_CHECK(fmt != lmrpc::WeightFormat::Q4 || group == 32, "Q4 weights come in groups of 32");
     TORCH_CHECK(fmt != lmrpc::WeightFormat::Q6 || group == 16 || group == 32, "Q6 weights come in groups of 16 or 32");
     TORCH_CHECK(fmt != lmrpc::WeightFormat::Q3 || group == 16 || group == 32, "Q3 weights come in groups of 16 or 32");
+    TORCH_CHECK(fmt != lmrpc::WeightFormat::Q5 || group == 16 || group == 32, "Q5 weights come in groups of 16 or 32");
     const bool k_scaled = kd.has_value();
     TORCH_CHECK(quantized == (scale.has_value() || k_scaled), "quantized weights need scales, dense weights none");
     TORCH_CHECK(!(k_scaled && (scale.has_value() || offset.has_value())), "K scales replace scales and offsets");
@@ -59,8 +60,9 @@ class PackedLinear {
                 "float32 weights take float32 products");
     TORCH_CHECK(!iq4 || (fmt == lmrpc::WeightFormat::Q4 && compute_ == lmrpc::Compute::BF16),
                 "IQ4 codes are Q4 weights with bfloat16 products (float32 compute holds them as Q8)");
-    TORCH_CHECK(fmt != lmrpc::WeightFormat::Q3 || compute_ == lmrpc::Compute::BF16,
-                "Q3 weights take bfloat16 products (float32 compute holds them as Q6)");
+    TORCH_CHECK((fmt != lmrpc::WeightFormat::Q3 && fmt != lmrpc::WeightFormat::Q5) ||
+                    compute_ == lmrpc::Compute::BF16,
+                "Q3 and Q5 weights take bfloat16 products (float32 compute holds them as Q6)");
     const int64_t groups = quantized ? k_pad / group : 1;
     int64_t bytes = 0;
     switch (fmt) {
@@ -70,6 +72,7 @@ class PackedLinear {
       case lmrpc::WeightFormat::Q4: bytes = n_pad * k_pad / 2; break;
       case lmrpc::WeightFormat::Q6: bytes = n_pad * k_pad * 3 / 4; break;
       case lmrpc::WeightFormat::Q3: bytes = n_pad * k_pad * 3 / 8; break;
+      case lmrpc::WeightFormat::Q5: bytes = n_pad * k_pad * 5 / 8; break;
     }
     TORCH_CHECK(data_.nbytes() == static_cast<size_t>(bytes), "packed data holds ", data_.nbytes(), " bytes, expected ",
                 bytes);
