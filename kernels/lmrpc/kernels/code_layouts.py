@@ -31,51 +31,57 @@ def q8_of_q6(data: torch.Tensor) -> torch.Tensor:
     return (u.to(torch.int16) - 32).to(torch.int8).view(data.shape[0], -1, 2, TILE, 2)
 
 
+def _word_lines(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes u [pairs, blocks, 16 vectors, 32 lanes] (int16, 0..2^bits - 1) -> `bits` lines of 32 little-endian
+    16-bit words per block, [pairs, blocks * 64 * bits] uint8: word l of line j holds lane l of vector per * j + s in
+    bits bits * s.. (per = 15 // bits codes a word) and bit j of lane l of vector 15 in bit 15 (int16 throughout: a
+    2048 x 8192 chunk's temporaries stay small at load)."""
+    per = 15 // bits
+    lines = [sum(u[:, :, per * j + s] << (bits * s) for s in range(per)) | (((u[:, :, 15] >> j) & 1) << 15)
+             for j in range(bits)]
+    return torch.stack(lines, dim=2).view(torch.uint8).view(u.shape[0], -1, 64 * bits)  # (x86: little-endian)
+
+
+def _word_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of _word_lines: [pairs, blocks, 16, 32] int16 codes."""
+    per, mask = 15 // bits, (1 << bits) - 1
+    words = data.contiguous().view(torch.int16).view(data.shape[0], -1, bits, 32)  # [pairs, blocks, line, lane]
+    top = (words >> 15) & 1  # bit j of vector 15's codes (an arithmetic shift: the mask keeps bit 0)
+    vectors = [(words[:, :, i // per] >> (bits * (i % per))) & mask for i in range(15)]
+    last = top[:, :, 0]
+    for j in range(1, bits):
+        last = last | (top[:, :, j] << j)
+    vectors.append(last)
+    return torch.stack(vectors, dim=2)
+
+
+def _check_range(q8: torch.Tensor, lo: int, hi: int, name: str) -> None:
+    if q8.numel() and (int(q8.min()) < lo or int(q8.max()) > hi):
+        raise ValueError(f"{name} holds codes {lo}..{hi}")
+
+
 def q3_data(q8: torch.Tensor) -> torch.Tensor:
     """Q8 data [pairs, kpairs, 2, 16, 2] (codes -4..3, kpairs a multiple of 8) -> the Q3 layout [pairs, kpairs / 8,
-    192] uint8: per 16 Q8 vectors, three lines of 32 little-endian 16-bit words, word l of line j holding lane l of
-    vector 5j + s in bits 3s..3s + 2 and bit j of lane l of vector 15 in bit 15; each code as q + 4."""
-    if q8.numel() and (int(q8.min()) < -4 or int(q8.max()) > 3):
-        raise ValueError("Q3 holds codes -4..3")
-    u = (q8.to(torch.int32) + 4).view(q8.shape[0], -1, 16, 32)  # [pairs, blocks, vector, lane]
-    lines = [sum(u[:, :, 5 * j + s] << (3 * s) for s in range(5)) | (((u[:, :, 15] >> j) & 1) << 15)
-             for j in range(3)]
-    words = torch.stack(lines, dim=2)  # [pairs, blocks, line, lane] 0..65535
-    return torch.stack([words & 0xFF, words >> 8], dim=4).to(torch.uint8).view(q8.shape[0], -1, 192)
+    192] uint8: per 16 Q8 vectors, three lines of 32 16-bit words, five codes a word (_word_lines); each code as
+    q + 4."""
+    _check_range(q8, -4, 3, "Q3")
+    return _word_lines((q8.to(torch.int16) + 4).view(q8.shape[0], -1, 16, 32), 3)
 
 
 def q8_of_q3(data: torch.Tensor) -> torch.Tensor:
     """The inverse of q3_data: [pairs, kpairs, 2, 16, 2] int8."""
-    b = data.view(data.shape[0], -1, 3, 32, 2).to(torch.int32)
-    words = b[..., 0] | (b[..., 1] << 8)  # [pairs, blocks, line, lane]
-    top = (words >> 15) & 1  # [pairs, blocks, line, lane]: bit j of vector 15's codes
-    vectors = [(words[:, :, i // 5] >> (3 * (i % 5))) & 7 for i in range(15)]
-    vectors.append(top[:, :, 0] | (top[:, :, 1] << 1) | (top[:, :, 2] << 2))
-    u = torch.stack(vectors, dim=2)  # [pairs, blocks, vector, lane]
-    return (u - 4).to(torch.int8).view(data.shape[0], -1, 2, TILE, 2)
+    return (_word_codes(data, 3) - 4).to(torch.int8).view(data.shape[0], -1, 2, TILE, 2)
 
 
 def q5_data(q8: torch.Tensor, signed: bool) -> torch.Tensor:
     """Q8 data [pairs, kpairs, 2, 16, 2] (codes 0..31, or -16..15 if signed; kpairs a multiple of 8) -> the Q5 layout
-    [pairs, kpairs / 8, 320] uint8: per 16 Q8 vectors, five lines of 32 little-endian 16-bit words, word l of line j
-    holding lane l of vector 3j + s in bits 5s..5s + 4 and bit j of lane l of vector 15 in bit 15 (codes + 16 if
-    signed)."""
+    [pairs, kpairs / 8, 320] uint8: per 16 Q8 vectors, five lines of 32 16-bit words, three codes a word
+    (_word_lines); codes + 16 if signed."""
     lo = -16 if signed else 0
-    if q8.numel() and (int(q8.min()) < lo or int(q8.max()) > lo + 31):
-        raise ValueError(f"Q5 holds codes {lo}..{lo + 31}")
-    u = (q8.to(torch.int32) - lo).view(q8.shape[0], -1, 16, 32)  # [pairs, blocks, vector, lane]
-    lines = [sum(u[:, :, 3 * j + s] << (5 * s) for s in range(3)) | (((u[:, :, 15] >> j) & 1) << 15)
-             for j in range(5)]
-    words = torch.stack(lines, dim=2)  # [pairs, blocks, line, lane] 0..65535
-    return torch.stack([words & 0xFF, words >> 8], dim=4).to(torch.uint8).view(q8.shape[0], -1, 320)
+    _check_range(q8, lo, lo + 31, "Q5")
+    return _word_lines((q8.to(torch.int16) - lo).view(q8.shape[0], -1, 16, 32), 5)
 
 
 def q8_of_q5(data: torch.Tensor, signed: bool) -> torch.Tensor:
     """The inverse of q5_data: [pairs, kpairs, 2, 16, 2] int8."""
-    b = data.view(data.shape[0], -1, 5, 32, 2).to(torch.int32)
-    words = b[..., 0] | (b[..., 1] << 8)  # [pairs, blocks, line, lane]
-    top = (words >> 15) & 1  # bit j of vector 15's codes
-    vectors = [(words[:, :, i // 3] >> (5 * (i % 3))) & 31 for i in range(15)]
-    vectors.append(top[:, :, 0] | (top[:, :, 1] << 1) | (top[:, :, 2] << 2) | (top[:, :, 3] << 3) | (top[:, :, 4] << 4))
-    u = torch.stack(vectors, dim=2)  # [pairs, blocks, vector, lane]
-    return (u - (16 if signed else 0)).to(torch.int8).view(data.shape[0], -1, 2, TILE, 2)
+    return (_word_codes(data, 5) - (16 if signed else 0)).to(torch.int8).view(data.shape[0], -1, 2, TILE, 2)
