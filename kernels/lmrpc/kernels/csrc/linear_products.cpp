@@ -110,6 +110,13 @@ void many_rows_q4(const PackedWeight& w, const Inputs& in, const LinearArgs& a, 
   });
 }
 
+// Rows from which products read a weight's bf16 copy of its 8-bit codes (PackedWeight::codes) rather than the codes:
+// below it, twice the bytes cost more than making the codes bf16 in registers. The bundled model's Q8_0 head (49152 x
+// 576, three copies so that none stays in L3; two threads, AMD EPYC Zen 4): 2.20 / 2.30 / 2.37 / 2.62 ms from the
+// copy at 2 / 3 / 4 / 6 rows against 1.57 / 1.77 / 2.00 / 2.33 from the codes, level at 8 (2.52 / 2.61), the copy
+// ahead from 16 (3.74 / 3.85; 32 rows: 6.99 / 7.72).
+constexpr int64_t kCodesCopyRows = 8;
+
 // Q8 (and Q6) weights with expanded codes, bf16 products, many rows: one tile pair at a time, blocks of up to
 // kMaxRows rows with their running sums in registers across the groups (block_bf16<R, 1, true>: 2R group sums and
 // 2R totals fit beside the weights), so no group's sums leave the registers and six rows share each weight load.
@@ -223,10 +230,15 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
 #endif
 #if LMRPC_AVX512
   if constexpr (sizeof(T) == 2) {
-    if (quantized && !one_block) {
+    // Two rows take the many-row kernels too (codes made bf16 in registers once for both rows): expanded a group at a
+    // time into a buffer (one_block's path) they took up to twice as long (two threads, AMD EPYC Zen 4: Q5_K 8192 x
+    // 2048 0.77 ms at two rows against 0.40 at three, Q4_K 0.49 against 0.45; the bundled model's Q4_1 3072 x 576
+    // 53-58 us against 35-43 in registers).
+    const bool two_rows = rr.size() == 2;
+    if (quantized && (!one_block || two_rows)) {
       if (w.format == WeightFormat::Q4) {
         for (int q = 0; q < P; ++q) many_rows_q4(w, in, a, rr, p + q, table);
-      } else if (w.codes != nullptr) {
+      } else if (w.codes != nullptr && rr.size() >= kCodesCopyRows) {
         for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, rr, p + q);
       } else {  // Q8, Q6, Q5 or Q3 without a copy
         for (int q = 0; q < P; ++q) many_rows_codes_in_registers(w, in, a, rr, p + q);
