@@ -218,9 +218,9 @@ float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
       } else if (w.format == WeightFormat::Q6) {
         q = q6_code(q6_group(w, vector), static_cast<int>(vector % 4), lane);
       } else if (w.format == WeightFormat::Q3) {
-        q = q3_code(q3_group(w, vector), static_cast<int>(vector % 16), lane);
+        q = word_code<3>(word_group<3>(w, vector), static_cast<int>(vector % 16), lane) - 4;
       } else if (w.format == WeightFormat::Q5) {
-        q = q5_code(q5_group(w, vector), static_cast<int>(vector % 16), lane, w.q4_signed);
+        q = word_code<5>(word_group<5>(w, vector), static_cast<int>(vector % 16), lane) - (w.q4_signed ? 16 : 0);
       } else if (w.codes_in_vnni_order()) {  // (linear.h: PackedWeight::vnni)
         const int64_t kg = k % 32, e = kg % 4, quad = (kg % 16) / 4;
         const uint8_t byte = w.vnni[(pair * groups + g) * 512 + (quad * 2 + t) * 64 + 4 * o + e];

@@ -11,7 +11,7 @@ enum class WeightFormat : int32_t {
   BF16 = 1,  // bfloat16 values
   Q4 = 2,    // 4-bit codes q in groups of 32, value (q - 8 if q4_signed else q) * scale + offset (iq4: T[q] * scale)
   Q8 = 3,    // signed 8-bit codes in groups of `group` elements, value q * scale (+ offset)
-  Q6 = 4,    // Q8 whose codes lie in -32..31 (GGUF Q5_0, Q5_1, Q5_K, Q6_K), held in 6 bits: see kQ6UnitBytes
+  Q6 = 4,    // Q8 whose codes lie in -32..31 (GGUF Q6_K; Q5 and Q3 for float32), held in 6 bits: see kQ6UnitBytes
   Q3 = 5,    // Q8 whose codes lie in -4..3 (GGUF Q3_K, Q2_K), held in 3 bits: see kQ3BlockBytes (bf16 products only)
   Q5 = 6,    // 5-bit codes q, value (q - 16 if q4_signed else q) * scale + offset (GGUF Q5_0, Q5_1, Q5_K), held as
              // kQ5BlockBytes says (bf16 products only)
@@ -32,14 +32,12 @@ constexpr int64_t kQ6UnitBytes = 96;
 // 12 bytes per Q8 vector. Q3_K_M and Q2_K files' bulk takes 3 bits a code (their own 3.44 and 2.63 bits a weight
 // held in 3.56 and 4.13 with the scales), not Q6's 6.
 constexpr int64_t kQ3BlockBytes = 192;
-constexpr int64_t kQ3UnitBytes = kQ3BlockBytes / 4;  // per unit of four Q8 vectors, on average (offsets)
 
 // A Q5 weight holds its codes as Q3 does, sixteen vectors to a block, in five lines of 32 16-bit words: word l of
 // line j holds lane l of vector 3j + s in bits 5s..5s + 4 (s = 0..2) and bit j of lane l of vector 15 in bit 15; each
 // code as the file stores it (0..31; q4_signed: value q - 16, GGUF Q5_0). A vector is one shift of a line and one
 // table lookup (vpermw reads the index's 5 low bits). Q5_K_M files' bulk takes 5.625 bits a weight (file 5.5).
 constexpr int64_t kQ5BlockBytes = 320;
-constexpr int64_t kQ5UnitBytes = kQ5BlockBytes / 4;
 
 // GGUF K-quant scales (Q4_K, Q5_K, Q6_K), kept as the file stores them instead of as one float per group: per
 // output and super-block of 2^`super_shift` groups, fp16 d (and dmin); per output and group, 8-bit multipliers sc

@@ -1,6 +1,6 @@
 // Quantized codes made kpair vectors, shared by the products (linear_impl.h and the kernels): Q4 codes' values and
 // their bf16 table, Q6 and Q3 units' codes, how far ahead the products ask for codes, and one group of a tile pair
-// expanded (expand_q4, expand_q8, decode_q6, decode_q3).
+// expanded (expand_q4, expand_q8, decode_q6, decode_words).
 #pragma once
 
 #include <cstdint>
@@ -30,23 +30,16 @@ inline int q6_code(const uint8_t* unit, int i, int64_t b) {
   return (lo | (((unit[64 + b] >> (2 * i)) & 3) << 4)) - 32;
 }
 
-// The code of lane b of Q8 vector i (0..15) of a Q3 block (linear.h).
-inline int q3_code(const uint8_t* block, int i, int64_t b) {
+// The code of lane b of Q8 vector i (0..15) of a block of kBits-bit codes in 16-bit words (Q3, Q5: linear.h), as
+// stored.
+template <int kBits>
+inline int word_code(const uint8_t* block, int i, int64_t b) {
+  constexpr int per = 15 / kBits;  // codes a word holds below its top bit
   const auto word = [&](int line) { return block[64 * line + 2 * b] | (block[64 * line + 2 * b + 1] << 8); };
-  if (i < 15) return ((word(i / 5) >> (3 * (i % 5))) & 7) - 4;
-  return ((word(0) >> 15) | ((word(1) >> 15) << 1) | ((word(2) >> 15) << 2)) - 4;
-}
-
-// The value of lane b of Q8 vector i (0..15) of a Q5 block (linear.h): its code, less 16 if `is_signed`.
-inline int q5_code(const uint8_t* block, int i, int64_t b, bool is_signed) {
-  const auto word = [&](int line) { return block[64 * line + 2 * b] | (block[64 * line + 2 * b + 1] << 8); };
+  if (i < 15) return (word(i / per) >> (kBits * (i % per))) & ((1 << kBits) - 1);
   int c = 0;
-  if (i < 15) {
-    c = (word(i / 3) >> (5 * (i % 3))) & 31;
-  } else {
-    for (int j = 0; j < 5; ++j) c |= (word(j) >> 15) << j;
-  }
-  return is_signed ? c - 16 : c;
+  for (int j = 0; j < kBits; ++j) c |= (word(j) >> 15) << j;
+  return c;
 }
 
 // bf16 values of the 16 codes, twice: vpermw reads 5 bits of an index, and with the table doubled its fifth bit (a
@@ -251,26 +244,31 @@ inline void decode_q6(const uint8_t* src, int64_t units, int8_t* dst) {
 #endif
 }
 
-// Q3 blocks (linear.h: kQ3BlockBytes each, `units` / 4 of them) -> the Q8 vectors they hold (16 a block, 32 int8
-// each).
-inline void decode_q3(const uint8_t* src, int64_t units, int8_t* dst) {
+// Blocks of kBits-bit codes in 16-bit words (Q3, Q5: linear.h; 64 * kBits bytes each, `units` / 4 of them) -> the
+// Q8 vectors they hold (16 a block, 32 int8 each: the codes less `bias`).
+template <int kBits>
+inline void decode_words(const uint8_t* src, int64_t units, int bias, int8_t* dst) {
+  constexpr int per = 15 / kBits;
+  constexpr int64_t block_bytes = 64 * kBits;
 #if LMRPC_AVX512 || LMRPC_AVX2
-  const __m256i seven = _mm256_set1_epi16(7), four = _mm256_set1_epi16(4);
-  for (int64_t blk = 0; blk < units / 4; ++blk, src += kQ3BlockBytes, dst += 512) {
-    __m256i lines[3][2];  // [line][lanes 0-15, 16-31]
-    for (int j = 0; j < 3; ++j)
-      for (int h = 0; h < 2; ++h) lines[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * j + 32 * h));
+  const __m256i mask = _mm256_set1_epi16((1 << kBits) - 1), less = _mm256_set1_epi16(static_cast<int16_t>(bias));
+  for (int64_t blk = 0; blk < units / 4; ++blk, src += block_bytes, dst += 512) {
+    __m256i lines[kBits][2];  // [line][lanes 0-15, 16-31]
+    for (int j = 0; j < kBits; ++j)
+      for (int h = 0; h < 2; ++h)
+        lines[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * j + 32 * h));
     for (int i = 0; i < 16; ++i) {
       __m256i half[2];
       for (int h = 0; h < 2; ++h) {
         if (i < 15) {
-          half[h] = _mm256_and_si256(_mm256_srl_epi16(lines[i / 5][h], _mm_cvtsi32_si128(3 * (i % 5))), seven);
+          half[h] = _mm256_and_si256(_mm256_srl_epi16(lines[i / per][h], _mm_cvtsi32_si128(kBits * (i % per))), mask);
         } else {
-          half[h] = _mm256_or_si256(_mm256_srli_epi16(lines[0][h], 15),
-                                    _mm256_or_si256(_mm256_slli_epi16(_mm256_srli_epi16(lines[1][h], 15), 1),
-                                                    _mm256_slli_epi16(_mm256_srli_epi16(lines[2][h], 15), 2)));
+          half[h] = _mm256_setzero_si256();
+          for (int j = 0; j < kBits; ++j) {
+            half[h] = _mm256_or_si256(half[h], _mm256_slli_epi16(_mm256_srli_epi16(lines[j][h], 15), j));
+          }
         }
-        half[h] = _mm256_sub_epi16(half[h], four);
+        half[h] = _mm256_sub_epi16(half[h], less);
       }
       // int16 lanes 0-15 and 16-31 -> 32 int8 in order (packs works per 128-bit lane: the quarters reordered)
       const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(half[0], half[1]), 0xD8);
@@ -278,43 +276,9 @@ inline void decode_q3(const uint8_t* src, int64_t units, int8_t* dst) {
     }
   }
 #else
-  for (int64_t blk = 0; blk < units / 4; ++blk, src += kQ3BlockBytes, dst += 512) {
+  for (int64_t blk = 0; blk < units / 4; ++blk, src += block_bytes, dst += 512) {
     for (int i = 0; i < 16; ++i)
-      for (int b = 0; b < 32; ++b) dst[32 * i + b] = static_cast<int8_t>(q3_code(src, i, b));
-  }
-#endif
-}
-
-// Q5 blocks (linear.h: kQ5BlockBytes each, `units` / 4 of them) -> the Q8 vectors they hold (16 a block, 32 int8
-// each: the codes, less 16 if `is_signed`).
-inline void decode_q5(const uint8_t* src, int64_t units, bool is_signed, int8_t* dst) {
-#if LMRPC_AVX512 || LMRPC_AVX2
-  const __m256i mask = _mm256_set1_epi16(31), bias = _mm256_set1_epi16(is_signed ? 16 : 0);
-  for (int64_t blk = 0; blk < units / 4; ++blk, src += kQ5BlockBytes, dst += 512) {
-    __m256i lines[5][2];  // [line][lanes 0-15, 16-31]
-    for (int j = 0; j < 5; ++j)
-      for (int h = 0; h < 2; ++h) lines[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * j + 32 * h));
-    for (int i = 0; i < 16; ++i) {
-      __m256i half[2];
-      for (int h = 0; h < 2; ++h) {
-        if (i < 15) {
-          half[h] = _mm256_and_si256(_mm256_srl_epi16(lines[i / 3][h], _mm_cvtsi32_si128(5 * (i % 3))), mask);
-        } else {
-          half[h] = _mm256_setzero_si256();
-          for (int j = 0; j < 5; ++j) {
-            half[h] = _mm256_or_si256(half[h], _mm256_slli_epi16(_mm256_srli_epi16(lines[j][h], 15), j));
-          }
-        }
-        half[h] = _mm256_sub_epi16(half[h], bias);
-      }
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(half[0], half[1]), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * i), packed);
-    }
-  }
-#else
-  for (int64_t blk = 0; blk < units / 4; ++blk, src += kQ5BlockBytes, dst += 512) {
-    for (int i = 0; i < 16; ++i)
-      for (int b = 0; b < 32; ++b) dst[32 * i + b] = static_cast<int8_t>(q5_code(src, i, b, is_signed));
+      for (int b = 0; b < 32; ++b) dst[32 * i + b] = static_cast<int8_t>(word_code<kBits>(src, i, b) - bias);
   }
 #endif
 }

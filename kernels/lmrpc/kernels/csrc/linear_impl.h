@@ -142,14 +142,12 @@ inline const uint8_t* q6_group(const PackedWeight& w, int64_t vector) {
   return static_cast<const uint8_t*>(w.data) + vector / 4 * kQ6UnitBytes;
 }
 
-// Where Q8 vector `vector` (a group's first) starts in a Q3 weight's blocks.
-inline const uint8_t* q3_group(const PackedWeight& w, int64_t vector) {
-  return static_cast<const uint8_t*>(w.data) + vector / 16 * kQ3BlockBytes;
-}
-
-// Where Q8 vector `vector` (a group's first) starts in a Q5 weight's blocks.
-inline const uint8_t* q5_group(const PackedWeight& w, int64_t vector) {
-  return static_cast<const uint8_t*>(w.data) + vector / 16 * kQ5BlockBytes;
+// Where Q8 vector `vector` (a group's first) starts in the blocks of a weight of kBits-bit codes in 16-bit words (Q3,
+// Q5: 64 * kBits bytes per 16 vectors).
+static_assert(kQ3BlockBytes == 64 * 3 && kQ5BlockBytes == 64 * 5, "one 64-byte line per bit of a code");
+template <int kBits>
+inline const uint8_t* word_group(const PackedWeight& w, int64_t vector) {
+  return static_cast<const uint8_t*>(w.data) + vector / 16 * (64 * kBits);
 }
 
 // Offsets of tile pair p, group g in the packed arrays.
@@ -188,11 +186,11 @@ struct ExpandSource {
       expand_q8<T>(codes, 2 * at.gkp, dst);
     } else if (w.format == WeightFormat::Q3) {
       alignas(64) int8_t codes[kMaxQ6Group * 32];
-      decode_q3(q3_group(w, at.vectors(g)), at.gkp / 2, codes);
+      decode_words<3>(word_group<3>(w, at.vectors(g)), at.gkp / 2, 4, codes);
       expand_q8<T>(codes, 2 * at.gkp, dst);
     } else if (w.format == WeightFormat::Q5) {
       alignas(64) int8_t codes[kMaxQ6Group * 32];
-      decode_q5(q5_group(w, at.vectors(g)), at.gkp / 2, w.q4_signed, codes);
+      decode_words<5>(word_group<5>(w, at.vectors(g)), at.gkp / 2, w.q4_signed ? 16 : 0, codes);
       expand_q8<T>(codes, 2 * at.gkp, dst);
     } else {
       expand_q8<T>(static_cast<const int8_t*>(w.data) + at.vectors(g) * 32, 2 * at.gkp, dst);

@@ -62,24 +62,6 @@ inline const Q3Table& q3_table() {
   return table;
 }
 
-// Vector i (0..15) of a Q3 block (linear.h) as bf16, decoded in registers: a line shifted so that the code's 3 bits
-// are bits 0-2 of a table index (bits above them pick the same value: the table repeats every 8); vector 15's bits
-// gathered from the three lines' bit 15.
-template <int I>
-LMRPC_INLINE __m512i q3_vector_bf16(const uint8_t* block, __m512i lut) {
-  const auto line = [&](int j) { return _mm512_loadu_si512(block + 64 * j); };
-  if constexpr (I < 15) {
-    const __m512i words = line(I / 5);
-    return _mm512_permutexvar_epi16(I % 5 == 0 ? words : _mm512_srli_epi16(words, 3 * (I % 5)), lut);
-  } else {
-    // 0xca: the second operand's bits where the first has ones, the third's elsewhere
-    const __m512i low = _mm512_ternarylogic_epi32(_mm512_set1_epi16(2), _mm512_srli_epi16(line(1), 14),
-                                                  _mm512_srli_epi16(line(0), 15), 0xca);
-    return _mm512_permutexvar_epi16(
-        _mm512_ternarylogic_epi32(_mm512_set1_epi16(4), _mm512_srli_epi16(line(2), 13), low, 0xca), lut);
-  }
-}
-
 // bf16 values of a Q5 weight's 32 codes (less 16 when signed: GGUF Q5_0).
 struct Q5Table {
   alignas(64) uint16_t bf16[32];
@@ -93,21 +75,23 @@ inline const Q5Table& q5_table(bool is_signed) {
   return tables[is_signed ? 1 : 0];
 }
 
-// Vector i (0..15) of a Q5 block (linear.h) as bf16, decoded in registers: a line shifted so that the code is bits
-// 0-4 of a table index (vpermw reads no more); vector 15's bits gathered from the five lines' bit 15.
-template <int I>
-LMRPC_INLINE __m512i q5_vector_bf16(const uint8_t* block, __m512i lut) {
+// Vector I (0..15) of a block of kBits-bit codes in 16-bit words (Q3, Q5: linear.h) as bf16, decoded in registers:
+// a line shifted so that the code's bits are the low bits of a table index (vpermw reads bits 0-4; for 3-bit codes
+// the table repeats every 8, so bits 3-4 pick the same value); vector 15's bits gathered from the lines' bit 15.
+template <int kBits, int I>
+LMRPC_INLINE __m512i word_vector_bf16(const uint8_t* block, __m512i lut) {
+  constexpr int per = 15 / kBits;
   const auto line = [&](int j) { return _mm512_loadu_si512(block + 64 * j); };
   if constexpr (I < 15) {
-    const __m512i words = line(I / 3);
-    return _mm512_permutexvar_epi16(I % 3 == 0 ? words : _mm512_srli_epi16(words, 5 * (I % 3)), lut);
+    const __m512i words = line(I / per);
+    return _mm512_permutexvar_epi16(I % per == 0 ? words : _mm512_srli_epi16(words, kBits * (I % per)), lut);
   } else {
     __m512i index = _mm512_srli_epi16(line(0), 15);
     // 0xca: the second operand's bits where the first has ones (bit j), the third's elsewhere
-    index = _mm512_ternarylogic_epi32(_mm512_set1_epi16(2), _mm512_srli_epi16(line(1), 14), index, 0xca);
-    index = _mm512_ternarylogic_epi32(_mm512_set1_epi16(4), _mm512_srli_epi16(line(2), 13), index, 0xca);
-    index = _mm512_ternarylogic_epi32(_mm512_set1_epi16(8), _mm512_srli_epi16(line(3), 12), index, 0xca);
-    index = _mm512_ternarylogic_epi32(_mm512_set1_epi16(16), _mm512_srli_epi16(line(4), 11), index, 0xca);
+    for (int j = 1; j < kBits; ++j) {
+      index = _mm512_ternarylogic_epi32(_mm512_set1_epi16(static_cast<int16_t>(1 << j)),
+                                        _mm512_srli_epi16(line(j), 15 - j), index, 0xca);
+    }
     return _mm512_permutexvar_epi16(index, lut);
   }
 }
@@ -145,35 +129,15 @@ struct Q6Units {
     q6_unit_bf16(block, lut_lo, lut_hi, v);
   }
 };
-struct Q3Units {
+// Q3 and Q5: blocks of 16 vectors, four units each.
+template <int kBits>
+struct WordUnits {
   static constexpr int kPer = 4;
-  static constexpr int64_t kBlockBytes = kQ3BlockBytes;
+  static constexpr int64_t kBlockBytes = 64 * kBits;
   __m512i lut;
-  explicit Q3Units(const PackedWeight&) : lut(_mm512_load_si512(q3_table().bf16)) {}
-  static const uint8_t* group(const PackedWeight& w, int64_t vector) { return q3_group(w, vector); }
-  // (callers unroll their loop over w, so each case is one straight run of vectors)
-  LMRPC_INLINE void decode(const uint8_t* block, int w, __m512i (&v)[4]) const {
-    switch (w) {
-      case 0: units<0>(block, v); break;
-      case 1: units<1>(block, v); break;
-      case 2: units<2>(block, v); break;
-      default: units<3>(block, v); break;
-    }
-  }
-  template <int W>
-  LMRPC_INLINE void units(const uint8_t* block, __m512i (&v)[4]) const {
-    v[0] = q3_vector_bf16<4 * W>(block, lut);
-    v[1] = q3_vector_bf16<4 * W + 1>(block, lut);
-    v[2] = q3_vector_bf16<4 * W + 2>(block, lut);
-    v[3] = q3_vector_bf16<4 * W + 3>(block, lut);
-  }
-};
-struct Q5Units {
-  static constexpr int kPer = 4;
-  static constexpr int64_t kBlockBytes = kQ5BlockBytes;
-  __m512i lut;
-  explicit Q5Units(const PackedWeight& w) : lut(_mm512_load_si512(q5_table(w.q4_signed).bf16)) {}
-  static const uint8_t* group(const PackedWeight& w, int64_t vector) { return q5_group(w, vector); }
+  explicit WordUnits(const PackedWeight& w)
+      : lut(_mm512_load_si512(kBits == 3 ? q3_table().bf16 : q5_table(w.q4_signed).bf16)) {}
+  static const uint8_t* group(const PackedWeight& w, int64_t vector) { return word_group<kBits>(w, vector); }
   LMRPC_INLINE void decode(const uint8_t* block, int w, __m512i (&v)[4]) const {  // (callers unroll over w)
     switch (w) {
       case 0: units<0>(block, v); break;
@@ -184,12 +148,14 @@ struct Q5Units {
   }
   template <int W>
   LMRPC_INLINE void units(const uint8_t* block, __m512i (&v)[4]) const {
-    v[0] = q5_vector_bf16<4 * W>(block, lut);
-    v[1] = q5_vector_bf16<4 * W + 1>(block, lut);
-    v[2] = q5_vector_bf16<4 * W + 2>(block, lut);
-    v[3] = q5_vector_bf16<4 * W + 3>(block, lut);
+    v[0] = word_vector_bf16<kBits, 4 * W>(block, lut);
+    v[1] = word_vector_bf16<kBits, 4 * W + 1>(block, lut);
+    v[2] = word_vector_bf16<kBits, 4 * W + 2>(block, lut);
+    v[3] = word_vector_bf16<kBits, 4 * W + 3>(block, lut);
   }
 };
+using Q3Units = WordUnits<3>;
+using Q5Units = WordUnits<5>;
 
 // R rows x one tile pair of Q8, Q6, Q5 or Q3 weights over every group, four kpair vectors at a time (a unit: kpairs 2u
 // and 2u + 1, both tiles) made bf16 in registers and used by all R rows: the operations of block_bf16<R, 1, true>
