@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="int8 weights (Q8_0 blocks, as the bundled model's output head; --quantization int8): do "
                         "not keep a bfloat16 copy of their codes for batched products (by default the first such "
                         "weights keep one, up to 128 MiB a model). Saves 2 bytes per copied weight (the bundled "
-                        "model: 57 MB); batches of more than two rows then make the codes bf16 in registers on "
+                        "model: 57 MB); batches of 8 rows or more then make the codes bf16 in registers on "
                         "every product. int4 weights keep no copy. Outputs are the same either way")
     p.add_argument("--int8-activations", action="store_true",
                    help="4-bit weights (int4, Q4_0/Q4_1/Q4_K blocks): products take int8 activations (each row's "
