@@ -203,7 +203,7 @@ def test_the_6_bit_layout_holds_every_code_and_refuses_wider_ones() -> None:
     codes = codes[torch.randperm(64, generator=torch.Generator().manual_seed(0))].to(torch.int8)
     scale = torch.rand(64, 256 // 32, generator=torch.Generator().manual_seed(1)) + 0.5
     q8 = packing.pack_q8(codes, scale, 32)
-    q6 = packing.to_q6(q8)
+    q6 = packing.narrow(q8, packing.WeightFormat.Q6)
     assert q6.data.numel() * 8 == 6 * q8.data.numel()
     assert torch.equal(packing.codes_of(q6), codes)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
@@ -212,11 +212,13 @@ def test_the_6_bit_layout_holds_every_code_and_refuses_wider_ones() -> None:
     ids = torch.tensor([0, 31, 63])
     assert torch.equal(kernel(q6, Compute.F32).rows(ids), kernel(q8, Compute.F32).rows(ids))
     with pytest.raises(ValueError, match=r"-32\.\.31"):
-        packing.to_q6(packing.pack_q8(codes.clamp(-32, 31).index_fill(1, torch.tensor([5]), 32), scale, 32))
+        packing.narrow(packing.pack_q8(codes.clamp(-32, 31).index_fill(1, torch.tensor([5]), 32), scale, 32),
+                       packing.WeightFormat.Q6)
 
 
-NARROW = {"q3": (-4, 3, lambda p: packing.to_q3(p)), "q5": (0, 31, lambda p: packing.to_q5(p, signed=False)),
-          "q5_signed": (-16, 15, lambda p: packing.to_q5(p, signed=True))}
+NARROW = {"q3": (-4, 3, lambda p: packing.narrow(p, packing.WeightFormat.Q3)),
+          "q5": (0, 31, lambda p: packing.narrow(p, packing.WeightFormat.Q5)),
+          "q5_signed": (-16, 15, lambda p: packing.narrow(p, packing.WeightFormat.Q5, signed=True))}
 
 
 @pytest.mark.parametrize("layout", sorted(NARROW))
@@ -237,7 +239,7 @@ def test_the_3_and_5_bit_layouts_hold_every_code_and_give_the_6_bit_layouts_prod
     threads = torch.get_num_threads()
     for off in (None, offset):
         q8 = packing.pack_q8(codes, scale, 16, off)
-        small, q6 = narrow(q8), packing.to_q6(q8)  # (every range here lies in Q6's -32..31)
+        small, q6 = narrow(q8), packing.narrow(q8, packing.WeightFormat.Q6)  # (every range here lies in Q6's -32..31)
         assert small.data.numel() * 8 == bits * q8.data.numel()
         assert torch.equal(packing.codes_of(small), codes)
         assert torch.equal(packing.as_q6(small).data, q6.data)

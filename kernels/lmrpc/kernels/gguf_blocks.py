@@ -127,10 +127,10 @@ def _pack_32(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     high = _bits(b[..., at : at + 4], 8).transpose(0, 1, 3, 2).reshape(n, -1, 32)  # bit i of the LE word: element i
     q = _nibbles(b[..., at + 4 :]).reshape(n, -1, 32) | (high << 4)  # 0..31
     if ggml_type == Q5_0:
-        return packing.to_q5(packing.pack_q8(_tensor(q.astype(np.int8) - 16, n, k, torch.int8), d, 32, name="q5_0"),
-                             signed=True)
-    return packing.to_q5(packing.pack_q8(_tensor(q.astype(np.int8), n, k, torch.int8), d, 32, m, name="q5_1"),
-                         signed=False)
+        q8 = packing.pack_q8(_tensor(q.astype(np.int8) - 16, n, k, torch.int8), d, 32, name="q5_0")
+        return packing.narrow(q8, WeightFormat.Q5, signed=True)
+    q8 = packing.pack_q8(_tensor(q.astype(np.int8), n, k, torch.int8), d, 32, m, name="q5_1")
+    return packing.narrow(q8, WeightFormat.Q5)
 
 
 def _q4_group_tiles(qs: np.ndarray, n: int, signed: bool) -> torch.Tensor:

@@ -16,15 +16,13 @@ from lmrpc.kernels.packing import (
     dense_values,
     kscale_rows,
     kscales_map,
+    narrow,
     pack_dense,
     pack_k,
     pack_kscales,
     pack_q4_tiled,
     pack_q8,
     q4_data,
-    to_q3,
-    to_q5,
-    to_q6,
 )
 from lmrpc.kernels.tiles import PAIR_TILES, per_group
 
@@ -97,18 +95,12 @@ def concat_tiled_rows(parts: list[PackedWeight]) -> PackedWeight:
 def _repack(like: PackedWeight, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
             ) -> PackedWeight:
     """Codes and per-group scales in `like`'s format (fp16 scales)."""
-    if like.format == WeightFormat.Q8:
-        return pack_q8(codes, scale, like.group, offset, like.name)
-    if like.format == WeightFormat.Q6:
-        return to_q6(pack_q8(codes, scale, like.group, offset, like.name))
-    if like.format == WeightFormat.Q3:
-        return to_q3(pack_q8(codes, scale, like.group, offset, like.name))
-    if like.format == WeightFormat.Q5:
-        return to_q5(pack_q8(codes, scale, like.group, offset, like.name), like.q4_signed)
+    if like.format != WeightFormat.Q4:
+        q8 = pack_q8(codes, scale, like.group, offset, like.name)
+        return q8 if like.format == WeightFormat.Q8 else narrow(q8, like.format, like.q4_signed)
     n, k = codes.shape  # (padded as `like` was: Q4_0's codes with 8, IQ4's table indices and Q4_1's with 0)
     data = q4_data(codes, like.q4_signed)
     return replace(pack_q4_tiled(data, n, k, scale, offset, like.name), q4_signed=like.q4_signed)
-
 
 
 def permute_rows(p: PackedWeight, order: torch.Tensor) -> PackedWeight:

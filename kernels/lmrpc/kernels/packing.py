@@ -11,9 +11,8 @@ Quantized weights keep integer codes with float32 scales (and offsets) per group
   weights.
 - Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0, and IQ4 weights' values for
   float32 compute) or one group per output row (our own int8 per-channel quantization).
-- Q6: Q8 whose codes lie in -32..31 held in 6 bits a code (csrc/linear.h's layout), in groups of 32 (GGUF Q5_0,
-  Q5_1, Q5_K) or 16 (Q6_K, and K-quants of mixed formats stacked), so a Q5_K_M or Q4_K_M file's 5- and 6-bit
-  tensors take about their own size.
+- Q6: Q8 whose codes lie in -32..31 held in 6 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q6_K), or
+  of 16 or 32 for Q3 and Q5 weights with float32 compute, so a Q4_K_M file's 6-bit tensors take their own size.
 - Q3: Q8 whose codes lie in -4..3 held in 3 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q3_K, Q2_K);
   bfloat16 products only (float32 compute holds them as Q6: gguf_blocks.held_for).
 - Q5: 5-bit codes as the file stores them (0..31; `q4_signed`: value q - 16) in the same kind of layout, in groups of
@@ -183,35 +182,42 @@ def _q8_data(codes: torch.Tensor, group: int) -> torch.Tensor:
     return tiles(pad(codes.to(torch.int8), round_up(n, PAIR_TILES), round_up(k, group)))
 
 
-def to_q6(p: PackedWeight) -> PackedWeight:
-    """A Q8 weight whose codes lie in -32..31, held in 6 bits a code (Q6): the same weight."""
+NARROW = (WeightFormat.Q6, WeightFormat.Q5, WeightFormat.Q3)  # Q8's codes held in fewer bits (code_layouts.py)
+
+
+def _narrowed(q8: torch.Tensor, fmt: WeightFormat, signed: bool) -> torch.Tensor:
+    """Q8 data in a NARROW format's layout (Q5: codes less 16 when signed)."""
+    if fmt == WeightFormat.Q6:
+        return code_layouts.q6_data(q8)
+    if fmt == WeightFormat.Q5:
+        return code_layouts.q5_data(q8, signed)
+    assert fmt == WeightFormat.Q3
+    return code_layouts.q3_data(q8)
+
+
+def _widened(p: PackedWeight) -> torch.Tensor:
+    """A NARROW weight's data as Q8 data [pairs, kpairs, 2, 16, 2] int8."""
+    if p.format == WeightFormat.Q6:
+        return code_layouts.q8_of_q6(p.data)
+    if p.format == WeightFormat.Q5:
+        return code_layouts.q8_of_q5(p.data, p.q4_signed)
+    assert p.format == WeightFormat.Q3
+    return code_layouts.q8_of_q3(p.data)
+
+
+def narrow(p: PackedWeight, fmt: WeightFormat, signed: bool = False) -> PackedWeight:
+    """A Q8 weight (groups of 16 or 32) whose codes fit `fmt` (Q6: -32..31; Q5: 0..31, or -16..15 signed; Q3:
+    -4..3), held in that many bits a code: the same weight."""
     if p.format != WeightFormat.Q8 or p.group not in (16, 32):
-        raise ValueError("Q6 holds Q8 weights in groups of 16 or 32")
-    return replace(p, format=WeightFormat.Q6, data=code_layouts.q6_data(p.data))
-
-
-def to_q3(p: PackedWeight) -> PackedWeight:
-    """A Q8 weight whose codes lie in -4..3, held in 3 bits a code (Q3): the same weight."""
-    if p.format != WeightFormat.Q8 or p.group not in (16, 32):
-        raise ValueError("Q3 holds Q8 weights in groups of 16 or 32")
-    return replace(p, format=WeightFormat.Q3, data=code_layouts.q3_data(p.data))
-
-
-def to_q5(p: PackedWeight, signed: bool) -> PackedWeight:
-    """A Q8 weight whose codes lie in 0..31 (or -16..15, signed), held in 5 bits a code (Q5): the same weight."""
-    if p.format != WeightFormat.Q8 or p.group not in (16, 32):
-        raise ValueError("Q5 holds Q8 weights in groups of 16 or 32")
-    return replace(p, format=WeightFormat.Q5, q4_signed=signed, data=code_layouts.q5_data(p.data, signed))
+        raise ValueError(f"{fmt.name} holds Q8 weights in groups of 16 or 32")
+    return replace(p, format=fmt, q4_signed=signed, data=_narrowed(p.data, fmt, signed))
 
 
 def as_q6(p: PackedWeight) -> PackedWeight:
     """A Q3 or Q5 weight held in 6 bits a code (Q6): the same weight, for kernels that take Q6 and not these."""
-    if p.format == WeightFormat.Q3:
-        return replace(p, format=WeightFormat.Q6, data=code_layouts.q6_data(code_layouts.q8_of_q3(p.data)))
-    if p.format == WeightFormat.Q5:
-        codes = code_layouts.q8_of_q5(p.data, p.q4_signed)
-        return replace(p, format=WeightFormat.Q6, q4_signed=False, data=code_layouts.q6_data(codes))
-    raise ValueError("Q3 and Q5 weights are widened to Q6")
+    if p.format not in (WeightFormat.Q3, WeightFormat.Q5):
+        raise ValueError("Q3 and Q5 weights are widened to Q6")
+    return replace(p, format=WeightFormat.Q6, q4_signed=False, data=code_layouts.q6_data(_widened(p)))
 
 
 def code_pairs(codes: torch.Tensor) -> torch.Tensor:
@@ -286,12 +292,8 @@ def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales,
         data = q4_data(codes, False)
     else:
         data = _q8_data(codes, group)
-        if fmt == WeightFormat.Q6:
-            data = code_layouts.q6_data(data)
-        elif fmt == WeightFormat.Q3:
-            data = code_layouts.q3_data(data)
-        elif fmt == WeightFormat.Q5:
-            data = code_layouts.q5_data(data, signed=False)
+        if fmt in NARROW:
+            data = _narrowed(data, fmt, signed=False)
     return pack_k_tiled(fmt, data, n, k, group, kscales, name)
 
 
@@ -327,12 +329,8 @@ def dequantize(p: PackedWeight) -> torch.Tensor:
 
 def _padded_codes(p: PackedWeight) -> torch.Tensor:
     """Codes (quantized) or values (dense) [n_pad, k_pad] in their stored dtype."""
-    if p.format == WeightFormat.Q6:
-        return untile(code_layouts.q8_of_q6(p.data))
-    if p.format == WeightFormat.Q3:
-        return untile(code_layouts.q8_of_q3(p.data))
-    if p.format == WeightFormat.Q5:
-        return untile(code_layouts.q8_of_q5(p.data, p.q4_signed))
+    if p.format in NARROW:
+        return untile(_widened(p))
     if p.format != WeightFormat.Q4:
         return untile(p.data)
     pairs, groups = p.data.shape[0], p.data.shape[1]
