@@ -54,15 +54,14 @@ class NativeAttention:
 
     def plan(self, chunks: Sequence[ChunkSpec], positions: torch.Tensor,
              rope_positions: torch.Tensor | None = None) -> NativePlan:
+        # Python lists, one tensor each: a step runs this between two forwards that have evicted the caches, where
+        # every torch call costs tens of microseconds (a quarter of a one-stream decode step's Python).
         p = self.page_size
         width = max(len(c.pages) for c in chunks)
-        table = torch.zeros(len(chunks), width, dtype=torch.int32)
-        slots: list[int] = []
-        token_seq: list[int] = []
-        for i, c in enumerate(chunks):
-            table[i, : len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
-            slots.extend(c.pages[q // p] * p + q % p for q in range(c.start, c.start + c.num_tokens))
-            token_seq.extend([i] * c.num_tokens)
+        table = [[*c.pages, *[0] * (width - len(c.pages))] for c in chunks]  # rows padded with page 0
+        slots = [c.pages[q // p] * p + q % p for c in chunks for q in range(c.start, c.start + c.num_tokens)]
+        token_seq = [i for i, c in enumerate(chunks) for _ in range(c.num_tokens)]
+        token_ctx = [q + 1 for c in chunks for q in range(c.start, c.start + c.num_tokens)]  # each token's position + 1
         # M-RoPE: each token's rows gathered once per step (every layer reads them), indexed by token
         rope = None if rope_positions is None else self.rope.rows(rope_positions)
         return NativePlan(
@@ -70,9 +69,9 @@ class NativeAttention:
             rope_index=positions if rope is None else torch.arange(len(positions), dtype=torch.int64),
             rope=rope,
             slots=torch.tensor(slots, dtype=torch.int64),
-            block_table=table,
+            block_table=torch.tensor(table, dtype=torch.int32),
             token_seq=torch.tensor(token_seq, dtype=torch.int32),
-            token_ctx=(positions + 1).to(torch.int32),
+            token_ctx=torch.tensor(token_ctx, dtype=torch.int32),
         )
 
     def __call__(self, layer: int, qkv: torch.Tensor, plan: NativePlan, qk_norm: QKNorm | None) -> torch.Tensor:

@@ -136,7 +136,8 @@ class ModelExecutor:
         else:
             hidden = self.model.forward(id_tensor, ctx, inputs)  # [T, hidden]
         rows, prompt_spans = self._rows(batch)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [len(rows), vocab]
+        projected = hidden if rows is None else hidden.index_select(0, rows)  # [len(rows), hidden]
+        logits = self.model.compute_logits(projected)  # [len(rows), vocab]
         sampling = logits[: sum(c.samples for c in batch.chunks)]
         prompt = tuple(
             PromptLogits(seq, first, logits[offset : offset + n]) for seq, first, offset, n in prompt_spans
@@ -188,8 +189,9 @@ class ModelExecutor:
             media_rows.write_rows(cast(media_rows.MediaEncoder, self.model), batch, x)
         return x
 
-    def _rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]:
-        """Hidden rows to project: the last row of each sampling chunk, then prompt-logprob rows."""
+    def _rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[tuple[Sequence, int, int, int]]]:
+        """Hidden rows to project: the last row of each sampling chunk, then prompt-logprob rows; None when that is
+        every row in order (a step of decodes alone), which needs no gather."""
         sample_rows: list[int] = []
         prompt_rows: list[int] = []
         spans: list[tuple[ScheduledChunk, int, int]] = []  # (chunk, first position, count)
@@ -207,6 +209,8 @@ class ModelExecutor:
         for c, first, count in spans:
             out.append((c.seq, first, offset, count))
             offset += count
+        if not prompt_rows and len(sample_rows) == row:  # one row per chunk, each sampling: rows 0 .. row - 1
+            return None, out
         return torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=self.device), out
 
 
