@@ -54,10 +54,15 @@ struct Q4Table {
 };
 
 constexpr int kPrefetchGroups = 4;  // Q4 groups read ahead (2 KiB): codes stream from memory as they are expanded
-// Groups the one-row Q4 and Q6 products ask for ahead (Q4: 4 KiB), into L2: since K-quants fold per super-block a
-// one-row product goes through its codes faster, and 4 groups ahead left it waiting (Q4_K 8192 x 2048 from memory,
-// two threads: 0.89-0.93x the time with 6 or 8, 5 alternating rounds; Q6_K 2048 x 8192 the same).
-constexpr int kOneRowPrefetchGroups = 8;
+// Groups a product asks for ahead into L2 (Q4: 4 KiB). One row: since K-quants fold per super-block a one-row
+// product goes through its codes faster, and 4 groups ahead left it waiting (Q4_K 8192 x 2048 from memory, two
+// threads: 0.89-0.93x the time with 6 or 8, 5 alternating rounds; Q6_K 2048 x 8192 the same). Many rows: their first
+// block of rows met its codes in memory with only kPrefetchGroups asked for, into L1; with these asked for too, the
+// 1.7B shapes' Q4_K products from memory took 0.70x / 0.87x / 0.95x the time at 2 / 8 / 27 rows, the bundled model's
+// Q4_1 layer products 0.82x / 0.89x / 0.86x at 4 / 8 / 16, Q5_K ~0.75x at 2-8 rows (two threads, AMD EPYC Zen 4,
+// 3-5 alternating rounds; 8, 12 and 16 groups alike, 32 slower).
+constexpr int kL2AheadGroups = 8;
+constexpr int64_t kBf16AheadKpairs = kL2AheadGroups * 16;  // bf16 kpairs (128 bytes) as far ahead in time
 constexpr int64_t kQ8PrefetchBytes = 4096;  // Q8 codes read ahead in one-row products (four groups of 32 inputs)
 
 // A Q4 group of a tile pair is 2 x 256 bytes: per tile 8 chunks of 32, chunk c holding kpair 2c in its low nibbles

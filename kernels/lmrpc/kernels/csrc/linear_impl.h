@@ -159,9 +159,15 @@ struct PairIndex {
   int64_t vectors(int64_t g) const { return (pair * kp + g * gkp) * 2; }  // kpair vectors of 32 values
 };
 
+// Where a product's weights come from, group by group. kStreams: block_bf16 asks for the groups ahead into L2, read
+// in place from memory one after the other (a pair's after the previous pair's). The bundled model's Q8_0 head from
+// its bf16 codes (CodesSource) took ~0.8x the time at 8-32 rows with it (two threads, AMD EPYC Zen 4, 3 alternating
+// rounds); dense bf16 weights gained nothing measurable (the hardware's prefetch keeps up: one group is the whole row).
+
 // Dense weights: pointers into the packed data.
 template <typename T>
 struct DenseSource {
+  static constexpr bool kStreams = false;
   PairIndex at;
   GroupWeights group(int64_t g) const {
     return {static_cast<const T*>(at.w->data) + at.vectors(g) * 32, nullptr, nullptr};
@@ -172,6 +178,7 @@ struct DenseSource {
 // groups at once (many rows: every row block reads them).
 template <typename T>
 struct ExpandSource {
+  static constexpr bool kStreams = false;
   PairIndex at;
   const Q4Table* table;
   T* buffer;  // two slots of [gkp][2][32] (group by group; slot g % 2) or [kp][2][32] (all)
@@ -209,6 +216,7 @@ struct ExpandSource {
 // Quantized weights already expanded by ExpandSource::expand_all.
 template <typename T>
 struct ExpandedSource {
+  static constexpr bool kStreams = false;
   PairIndex at;
   const T* all;  // [kp][2][32]
   GroupWeights group(int64_t g) const { return group_weights(*at.w, at.pair, at.groups, g, all + g * at.gkp * 64); }
@@ -216,6 +224,7 @@ struct ExpandedSource {
 
 // Quantized weights whose codes were expanded once, when the weight was made (PackedWeight::codes).
 struct CodesSource {
+  static constexpr bool kStreams = true;
   PairIndex at;
   GroupWeights group(int64_t g) const {
     return group_weights(*at.w, at.pair, at.groups, g, at.w->codes + at.vectors(g) * 32);

@@ -42,8 +42,8 @@ void int16_row_q4(const PackedWeight& w, int64_t p, const int16_t* x, const floa
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
     const uint8_t* src = codes + g * 512;
     if (one_row) {
-      // One row goes through its codes fastest: ask for them further ahead, into L2 (see kOneRowPrefetchGroups).
-      prefetch_one_row(codes + one_row_ahead((g + kOneRowPrefetchGroups) * 512, length, 1), 512);
+      // One row goes through its codes fastest: ask for them further ahead, into L2 (see kL2AheadGroups).
+      prefetch_one_row(codes + one_row_ahead((g + kL2AheadGroups) * 512, length, 1), 512);
     } else {
       prefetch_q4_ahead(src);
     }
@@ -188,7 +188,7 @@ void int16_row_codes(const PackedWeight& w, int64_t p, const int16_t* x, const f
     const GroupWeights gw = group_weights(w, p, groups, g, nullptr);
     const uint8_t* src = codes + g * group_bytes;
     if (one_row) {
-      prefetch_one_row(codes + one_row_ahead((g + kOneRowPrefetchGroups) * group_bytes, length, 1), group_bytes);
+      prefetch_one_row(codes + one_row_ahead((g + kL2AheadGroups) * group_bytes, length, 1), group_bytes);
     } else {
       prefetch_one_row(src + 2 * group_bytes, group_bytes);
     }

@@ -35,8 +35,8 @@ void vnni_block(const PackedWeight& w, int64_t p, const int8_t* const* x, const 
     if constexpr (R == 1) {
       // One row streams its codes from memory: asked for ahead into L2 as one_row_q4_bf16's are, past the pair's end
       // into the next pair's (they follow it; a thread takes pairs in order), and the scales a line at a time.
-      prefetch_one_row(codes + kOneRowPrefetchGroups * 512, 512);
-      prefetch_scales(w, p, groups, g + 2 * kOneRowPrefetchGroups);
+      prefetch_one_row(codes + kL2AheadGroups * 512, 512);
+      prefetch_scales(w, p, groups, g + 2 * kL2AheadGroups);
     }
     __m512i acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();

@@ -61,6 +61,11 @@ void block_bf16_ks(const Source* src, int64_t groups, int64_t gkp, const RowBloc
         for (int i = 0; i < 2 * P; ++i) acc[r][i] = _mm512_setzero_ps();
       const int64_t k0 = 2 * g * gkp;
       for (int64_t j = 0; j < gkp; ++j) {
+        if constexpr (Source::kStreams) {  // codes read in place from memory: asked for ahead (16 KiB)
+          for (int q = 0; q < P; ++q) {
+            prefetch_one_row(static_cast<const uint16_t*>(gw[q].w) + 64 * (j + kBf16AheadKpairs), 128);
+          }
+        }
         __m512bh wv[2 * P];
         for (int q = 0; q < P; ++q)
           for (int t = 0; t < 2; ++t) {
@@ -115,6 +120,7 @@ void block_q4_ks(const PackedWeight& w, int64_t p, const Q4Table& table, int64_t
   rows_over_groups<R, KS>(w, p, groups, rb, [&](__m512 (&acc)[R][2], int64_t g) LMRPC_LAMBDA_INLINE {
     const uint8_t* src = data + (p * groups + g) * 512;
     prefetch_q4_ahead(src);
+    prefetch_one_row(src + kL2AheadGroups * 512, 512);
     for (int c = 0; c < 8; ++c) {  // kpairs 2c (low nibbles) and 2c + 1 (high nibbles)
       for (int t = 0; t < 2; ++t) {
         const Q4Chunk chunk = q4_chunk(src, t, c, lut);
@@ -352,10 +358,10 @@ void one_row_q4_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, con
       }
     }
   };
-  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kOneRowPrefetchGroups ahead, into L2
-    const int64_t at = one_row_ahead((g + kOneRowPrefetchGroups) * 512, groups * 512, P);
+  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // the group kL2AheadGroups ahead, into L2
+    const int64_t at = one_row_ahead((g + kL2AheadGroups) * 512, groups * 512, P);
     for (int q = 0; q < P; ++q) prefetch_one_row(data + (p + q) * groups * 512 + at, 512);
-    const int64_t ahead = one_row_ahead(g + 2 * kOneRowPrefetchGroups, groups, P);  // (a line: 1-2 groups' scales)
+    const int64_t ahead = one_row_ahead(g + 2 * kL2AheadGroups, groups, P);  // (a line: 1-2 groups' scales)
     for (int q = 0; q < P; ++q) prefetch_scales(w, p + q, groups, ahead);
   };
   one_row_grouped<P>(w, p, 8, sums, out, chunk, prefetch);

@@ -167,6 +167,8 @@ void block_codes_ks(const PackedWeight& w, int64_t p, int64_t groups, const RowB
   const Units units(w);
   rows_over_groups<R, KS>(w, p, groups, rb, [&](__m512 (&acc)[R][2], int64_t g) LMRPC_LAMBDA_INLINE {
     const uint8_t* first = Units::group(w, at.vectors(g));
+    const int64_t group_bytes = gkp / 2 / Units::kPer * Units::kBlockBytes;
+    prefetch_one_row(first + kL2AheadGroups * group_bytes, group_bytes);  // (a block's groups lie in order)
     for (int64_t b = 0; b < gkp / 2 / Units::kPer; ++b) {
 #pragma GCC unroll 4
       for (int wu = 0; wu < Units::kPer; ++wu) {
@@ -259,10 +261,10 @@ void one_row_units_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, con
       });
     }
   };
-  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // kOneRowPrefetchGroups ahead, into L2 (kOneRowHint)
-    const int64_t at = one_row_ahead((g + kOneRowPrefetchGroups) * group_bytes, groups * group_bytes, P);
+  auto prefetch = [&](int64_t g) LMRPC_LAMBDA_INLINE {  // kL2AheadGroups ahead, into L2 (kOneRowHint)
+    const int64_t at = one_row_ahead((g + kL2AheadGroups) * group_bytes, groups * group_bytes, P);
     for (int q = 0; q < P; ++q) prefetch_one_row(pairs[q] + at, group_bytes);
-    const int64_t ahead = one_row_ahead(g + 2 * kOneRowPrefetchGroups, groups, P);
+    const int64_t ahead = one_row_ahead(g + 2 * kL2AheadGroups, groups, P);
     for (int q = 0; q < P; ++q) prefetch_scales(w, p + q, groups, ahead);
   };
   one_row_grouped<P>(w, p, blocks, sums, out, block, prefetch);
