@@ -1,13 +1,17 @@
 """How much rounding the products' inputs costs the bundled model's answers: greedy chat answers with the inputs of
 chosen linear layers rounded (bf16, or int8 under a few group schemes), against the same model in float32.
 
-    .venv/bin/python bench/activation_rounding.py [--new-tokens 48] SCHEME[:layer,layer...] ...
+    .venv/bin/python bench/activation_rounding.py [--new-tokens 48] SCHEME[:layer,layer...][+SCHEME:...] ...
 
 The model is the bundled GGUF dequantized by transformers, in float32; each scheme rounds the
 inputs of the named linear layers (default: every attention and MLP projection except down_proj, the layers
-`--int8-activations` quantizes) before the product, the weights untouched. Per scheme it prints the mean common
-prefix of the 32 answers with the float32 ones, how many are identical, and the start of the answer to "What is the
-capital of France?". Schemes:
+`--int8-activations` quantizes; `all`: every projection and the output head) before the product, the weights
+untouched. Parts joined by `+` combine, a later part's rounding taking the layers it names (`bf16:all+max32:gate_proj,
+up_proj`: bfloat16 inputs everywhere but int8 ones in the MLP's gate and up projections). Per scheme it prints the
+mean common prefix of the 32 answers with the float32 ones, how many are identical, the start of the answer to
+"What is the capital of France?", and teacher-forced over the float32 answers (32 x new-tokens positions, steadier
+than prefixes, which one early flip cuts short): how often the top-1 token agrees with float32's and the mean KL
+divergence of the next-token distribution from float32's. Schemes:
 
     bf16      round to bfloat16 (lmrpc's defaults)
     max32     int8 per group of 32, d = max|x| / 127 (llama.cpp's q8_1; --int8-activations)
@@ -48,6 +52,7 @@ PROMPTS = (
 )
 INT8_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
 ALL_LAYERS = (*INT8_LAYERS, "down_proj", "lm_head")  # int16 activations: every product of a block weight (AVX2)
+LAYER_SETS = {"all": ALL_LAYERS}
 
 
 def int8_groups(x: torch.Tensor, group: int, fractions: tuple[float, ...] = (1.0,), top: int = 127) -> torch.Tensor:
@@ -85,17 +90,36 @@ SCHEMES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 DEFAULT_LAYERS = {"i16": ALL_LAYERS}  # else INT8_LAYERS
 
 
-def answers(model: Any, tok: PreTrainedTokenizerBase, new_tokens: int) -> list[list[int]]:
-    """Greedy answers (token ids) to PROMPTS. model: a transformers causal LM (Any: its stubs type generate as a
-    Tensor attribute)."""
+def prompt_ids(tok: PreTrainedTokenizerBase) -> list[torch.Tensor]:
+    """PROMPTS in the chat template, each [1, T] token ids."""
     out = []
     for prompt in PROMPTS:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                        tokenize=False)
-        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])  # [1, T]
+        out.append(torch.tensor([tok.encode(text, add_special_tokens=False)]))
+    return out
+
+
+def answers(model: Any, prompts: list[torch.Tensor], new_tokens: int) -> list[list[int]]:
+    """Greedy answers (token ids) to the prompts. model: a transformers causal LM (Any: its stubs type generate as a
+    Tensor attribute)."""
+    out = []
+    for ids in prompts:
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def next_token_logprobs(model: Any, prompts: list[torch.Tensor], reference: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt, log-probabilities [new_tokens, vocab] of the token at each answer position, teacher-forced on the
+    reference answer (the inputs are prompt + reference, whatever this model would have answered)."""
+    out = []
+    for ids, ref in zip(prompts, reference, strict=True):
+        full = torch.cat([ids, torch.tensor([ref])], dim=1)  # [1, T + new]
+        with torch.no_grad():
+            logits = model(full).logits[0, ids.shape[1] - 1:-1].float()  # [new, vocab]
+        out.append(torch.log_softmax(logits, dim=-1))
     return out
 
 
@@ -106,31 +130,52 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def layer_roundings(spec: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """SCHEME[:layers][+SCHEME[:layers]...] -> the rounding of each named layer (later parts win)."""
+    chosen: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for part in spec.split("+"):
+        name, _, layers = part.partition(":")
+        names = [n for layer in layers.split(",") for n in LAYER_SETS.get(layer, (layer,))] if layers else list(
+            DEFAULT_LAYERS.get(name, INT8_LAYERS))
+        for layer in names:
+            chosen[layer] = SCHEMES[name]
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("schemes", nargs="+", help="SCHEME or SCHEME:layer,layer (e.g. max32:o_proj)")
+    parser.add_argument("schemes", nargs="+", help="SCHEME or SCHEME:layer,layer (e.g. max32:o_proj), parts joined "
+                        "by + (e.g. bf16:all+max32:gate_proj,up_proj)")
     parser.add_argument("--new-tokens", type=int, default=48)
     args = parser.parse_args()
     for spec in args.schemes:
-        if spec.partition(":")[0] not in SCHEMES:
-            parser.error(f"unknown scheme {spec!r}: one of {', '.join(SCHEMES)}")
+        for part in spec.split("+"):
+            if part.partition(":")[0] not in SCHEMES:
+                parser.error(f"unknown scheme {part!r} in {spec!r}: one of {', '.join(SCHEMES)}")
     gguf = default_gguf()  # dequantized by transformers: the dense model the int4 quality test compares with
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    reference = answers(model, tok, args.new_tokens)
+    prompts = prompt_ids(tok)
+    reference = answers(model, prompts, args.new_tokens)
+    reference_logprobs = next_token_logprobs(model, prompts, reference)
     print(f"float32: France {tok.decode(reference[0][:10])!r}", flush=True)
     for spec in args.schemes:
-        name, _, layers = spec.partition(":")
-        chosen = tuple(layers.split(",")) if layers else DEFAULT_LAYERS.get(name, INT8_LAYERS)
-        rounding = SCHEMES[name]
-        hooks = [module.register_forward_pre_hook(lambda _m, inputs, rounding=rounding: (rounding(inputs[0]),))
-                 for path, module in model.named_modules() if path.rsplit(".", 1)[-1] in chosen]
-        got = answers(model, tok, args.new_tokens)
+        rounding = layer_roundings(spec)
+        hooks = [module.register_forward_pre_hook(lambda _m, inputs, r=rounding[leaf]: (r(inputs[0]),))
+                 for path, module in model.named_modules() if (leaf := path.rsplit(".", 1)[-1]) in rounding]
+        got = answers(model, prompts, args.new_tokens)
+        logprobs = next_token_logprobs(model, prompts, reference)
         for hook in hooks:
             hook.remove()
         prefixes = [common_prefix(a, b) for a, b in zip(reference, got, strict=True)]
-        print(f"{spec:32s} mean common prefix {sum(prefixes) / len(prefixes):5.1f} / {args.new_tokens}, "
+        positions = sum(lp.shape[0] for lp in logprobs)
+        agree = sum(int((lp.argmax(-1) == ref.argmax(-1)).sum()) for lp, ref in zip(logprobs, reference_logprobs,
+                                                                                    strict=True))
+        kl = sum(float((ref.exp() * (ref - lp)).sum()) for lp, ref in zip(logprobs, reference_logprobs,
+                                                                          strict=True)) / positions
+        print(f"{spec:40s} mean common prefix {sum(prefixes) / len(prefixes):5.1f} / {args.new_tokens}, "
               f"identical {sum(p == args.new_tokens for p in prefixes):2d}/{len(PROMPTS)}, "
+              f"top-1 teacher-forced {agree}/{positions}, KL {kl:.2e}, "
               f"France {tok.decode(got[0][:10])!r}", flush=True)
     print(f"`bench/activation_rounding.py --new-tokens {args.new_tokens} {' '.join(args.schemes)}`")
 
