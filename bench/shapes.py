@@ -81,6 +81,8 @@ QUANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "Q3_K_M": ("Q3_K_M", ()),  # on request (--types): the smaller mixtures, Q3_K with Q4_K, Q5_K, Q6_K beside it
     "IQ4_XS": ("IQ4_XS", ()),  # the non-linear 4-bit format, made without an importance matrix
     "Q5_K_M": ("Q5_K_M", ()),  # on request: the 5-bit mixture (Q5_K, with Q6_K beside it)
+    "IQ3_M": ("IQ3_M", ()),  # on request: the grid formats (IQ3_S, with Q4_K beside it), no importance matrix
+    "IQ3_XXS": ("IQ3_XXS", ()),  # (IQ1 and IQ2 types need an importance matrix: llama-quantize refuses them without)
 }
 DEFAULT_TYPES = ("Q4_0-pure", "Q4_K_M", "Q8_0")
 

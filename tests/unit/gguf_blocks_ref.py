@@ -180,3 +180,29 @@ def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     inexact_even = (err != 0) & (bits & 1 == 0)
     bits += np.where(inexact_even, np.where((err > 0) == (s > 0), 1, -1), 0)
     return bits.view(np.float64).astype(np.float32)
+
+
+# GGUF's grid and ternary formats (kernels/gguf_grids.py): (ggml type, byte offset of the fp16 d in a block; IQ1_M
+# keeps its d in the top nibbles of its four scale words, bytes 48-55)
+GRID_FORMATS = {"iq2_xxs": (T.IQ2_XXS, 0), "iq2_xs": (T.IQ2_XS, 0), "iq2_s": (T.IQ2_S, 0), "iq3_xxs": (T.IQ3_XXS, 0),
+                "iq3_s": (T.IQ3_S, 0), "iq1_s": (T.IQ1_S, 0), "iq1_m": (T.IQ1_M, None), "tq1_0": (T.TQ1_0, 52),
+                "tq2_0": (T.TQ2_0, 64)}
+
+
+def random_grid_blocks(fmt: str, n: int, k: int, seed: int, low: float = 1e-4, high: float = 2e-3) -> np.ndarray:
+    """uint8 [n, bytes of a row]: random blocks of a grid format (every byte pattern is a valid block), d drawn from
+    [low, high) (fp16s: d / 8, as the kernels would fold it, is often subnormal there)."""
+    qtype, at = GRID_FORMATS[fmt]
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
+    d = _fp16(rng, (n, k // size), low, high)
+    if at is not None:
+        b[..., at : at + 2] = d
+    else:  # nibble i of d's bits: the top nibble of scale word i
+        bits = d.view(np.uint16)[..., 0]
+        words = np.ascontiguousarray(b[..., 48:56]).view(np.uint16)
+        for i in range(4):
+            words[..., i] = (words[..., i] & 0x0FFF) | (((bits >> (4 * i)) & 15) << 12)
+        b[..., 48:56] = words.view(np.uint8)
+    return b.reshape(n, -1)

@@ -86,7 +86,8 @@ def kernel(p: PackedWeight, compute: Compute) -> Any:
     p = gguf_blocks.held_for(p, compute == Compute.BF16)  # as the server holds it (IQ4: Q8 for float32 compute)
     ks = p.kscales
     extra = {} if ks is None else {"kd": ks.d, "kdmin": ks.dmin, "ksc": ks.sc, "km": ks.m,
-                                   "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8}
+                                   "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8,
+                                   "d_scale": ks.d_scale}
     return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
                                       p.offset, None, iq4=p.iq4, **extra)
 

@@ -29,7 +29,8 @@ from lmrpc.server.engine.types import EngineOutput, EngineRequest, LogprobOption
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not native.available(), reason="blocks need the native kernels")]
 
-FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs")
+FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs",
+           "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0")
 NEW = 16
 _ids = iter(range(10**9))
 
@@ -76,7 +77,7 @@ OTHERS = [[(i * 104729 + j * 31) % 40000 + 100 for j in range(3 + 11 * i)] for i
 # float32 models (every format's float32 products), and in bfloat16 too the formats whose codes only bfloat16
 # products read as stored: IQ4's 4-bit codes through their table, the 5- and 3-bit layouts (float32 ones hold them
 # as int8 values and 6-bit codes).
-BF16_HELD = ("iq4_nl", "iq4_xs", "q5_k", "q5_0", "q5_1", "q3_k", "q2_k")
+BF16_HELD = ("iq4_nl", "iq4_xs", "q5_k", "q5_0", "q5_1", "q3_k", "q2_k", "tq2_0")
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_m", *(f"{f}:bfloat16" for f in BF16_HELD)])

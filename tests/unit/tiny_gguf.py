@@ -5,15 +5,18 @@ Q4_K and Q6_K as llama-quantize's Q4_K_M does (its other widths, 576, are no mul
 K-quants and the IQ4s have no quantizer in the gguf package: `quantize_q4_k`, `quantize_q6_k`, `quantize_q3_k`,
 `quantize_q2_k`, `quantize_iq4_nl` and `quantize_iq4_xs` are plain ones of our own (scales from each sub-block's
 range, no search), enough for weights a model can run on; what is served is checked against gguf's own
-`dequantize` of whatever bytes they write."""
+`dequantize` of whatever bytes they write. The grid and ternary formats (IQ1-IQ3, TQ) get random blocks (every byte
+pattern is a valid block) with d sized so that the weights are about as large as the others'."""
 
 from __future__ import annotations
 
 import functools
+import zlib
 from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf_blocks_ref import GRID_FORMATS, random_grid_blocks
 
 from lmrpc.server.models.loader import default_gguf
 
@@ -148,7 +151,16 @@ def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
                            _nibble_pairs(codes).reshape(n, k // 256, 128)], axis=-1).reshape(n, -1)
 
 
+# A grid format's d for weights of about the size of the others (its values run to ~20-60 d; TQ's to d)
+GRID_D = {"iq2_xxs": 2e-3, "iq2_xs": 2e-3, "iq2_s": 2e-3, "iq3_xxs": 4e-4, "iq3_s": 5e-4, "iq1_s": 6e-3,
+          "iq1_m": 6e-3, "tq1_0": 0.08, "tq2_0": 0.08}
+
+
 def quantize(w: np.ndarray, qtype: T) -> np.ndarray:
+    grid = next((name for name, (t, _) in GRID_FORMATS.items() if t == qtype), None)
+    if grid is not None:  # random blocks, seeded by the weight (a file written twice is the same file)
+        d = GRID_D[grid]
+        return random_grid_blocks(grid, *w.shape, seed=zlib.crc32(w.tobytes()), low=0.5 * d, high=1.5 * d)
     own = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k, T.Q3_K: quantize_q3_k, T.Q2_K: quantize_q2_k,
            T.IQ4_NL: quantize_iq4_nl, T.IQ4_XS: quantize_iq4_xs}
     if qtype in own:

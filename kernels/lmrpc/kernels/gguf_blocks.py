@@ -17,6 +17,9 @@ Each format's values are exactly those of gguf's `dequantize` (the reference; th
 | IQ4_NL | 32: fp16 d, 4-bit index i | Q4 (i: table T), fp16 scale | T[i] * d | 4.5 (4.5) |
 | IQ4_XS | 256: fp16 d; 8 x (6-bit sc, 32 x 4-bit i) | Q4 (i: table T), KScales | T[i] * (d * (sc - 32)) | 4.31 (4.25) |
 
+The grid and ternary formats (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0) are held exactly in
+wider codes with K-scales: gguf_grids.py.
+
 Q6_K holds its codes in 6 bits (packing.py's Q6: the products decode them into Q8's vectors), so Q4_K_M's Q6_K
 tensors (the output projection, some v and down projections) take their own size; Q5_0, Q5_1 and Q5_K hold theirs in
 5 bits (Q5) and Q3_K and Q2_K in 3 (Q3), decoded like Q6's into the same products, for bfloat16 products; for
@@ -37,14 +40,14 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from lmrpc.kernels import packed_rows, packing
+from lmrpc.kernels import gguf_grids, packed_rows, packing
 from lmrpc.kernels.packing import PackedWeight, WeightFormat
 
 # ggml type ids
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
 BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q2_K: (256, 84),
          Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18),
-         IQ4_XS: (256, 136)}  # per ggml type: (elements, bytes) of a block
+         IQ4_XS: (256, 136), **gguf_grids.BLOCK}  # per ggml type: (elements, bytes) of a block
 SUPPORTED = frozenset(BLOCK)
 
 
@@ -97,7 +100,8 @@ CHUNK_ROWS = 2048  # a whole number of tile pairs (packing.PAIR_TILES)
 
 
 def pack_gguf(ggml_type: int, raw: np.ndarray, n: int, k: int, chunk_rows: int = CHUNK_ROWS) -> PackedWeight:
-    """A GGUF tensor's blocks (uint8, n rows of k / block elements * block bytes) in the kernels' layout."""
+    """A GGUF tensor's blocks (uint8, n rows of k / block elements * block bytes) in the kernels' layout. A grid
+    format whose values the held layout cannot give exactly raises gguf_grids.NotExact."""
     if ggml_type not in BLOCK:
         raise ValueError(f"no kernel for ggml type {ggml_type}")
     elements, nbytes = BLOCK[ggml_type]
@@ -105,7 +109,7 @@ def pack_gguf(ggml_type: int, raw: np.ndarray, n: int, k: int, chunk_rows: int =
         raise ValueError(f"ggml type {ggml_type} needs k divisible by {elements}, got {k}")
     assert chunk_rows % packing.PAIR_TILES == 0
     b = raw.reshape(n, k // elements, nbytes)  # a view of the mapped file: each chunk is copied once, below
-    pack = _pack_32 if elements == 32 else _pack_k
+    pack = _pack_32 if elements == 32 else gguf_grids.pack if ggml_type in gguf_grids.GRIDS else _pack_k
     chunks = [pack(ggml_type, np.ascontiguousarray(b[r : r + chunk_rows]), min(chunk_rows, n - r), k)
               for r in range(0, n, chunk_rows)]
     return chunks[0] if len(chunks) == 1 else packed_rows.concat_tiled_rows(chunks)

@@ -33,7 +33,7 @@ def stackable(parts: list[PackedWeight]) -> bool:
 
     def kind(p: PackedWeight) -> tuple[object, ...]:
         ks = p.kscales
-        k_kind = None if ks is None else (ks.super_groups, ks.sc.dtype, ks.dmin is None)
+        k_kind = None if ks is None else (ks.super_groups, ks.sc.dtype, ks.dmin is None, ks.d_scale)
         return (p.format, p.k, p.group, p.q4_signed, p.offset is None, p.label, k_kind)
 
     return all(kind(p) == kind(first) for p in parts)
@@ -62,7 +62,7 @@ def concat_repacked(parts: list[PackedWeight]) -> PackedWeight:
         rows = [kscale_rows(p.kscales, p.n) for p in parts if p.kscales is not None]
         d, dmin, sc, m = (None if r[0] is None else torch.cat(list(r)) for r in zip(*rows, strict=True))
         assert d is not None and sc is not None
-        ks = pack_kscales(d, dmin, sc, m, first.kscales.super_groups)
+        ks = pack_kscales(d, dmin, sc, m, first.kscales.super_groups, first.kscales.d_scale)
         return pack_k(first.format, codes, first.group, ks, first.label)
     scale = torch.cat([per_group(p.scale, p.n) for p in parts])
     offset = None if first.offset is None else torch.cat([per_group(p.offset, p.n) for p in parts])
@@ -85,7 +85,8 @@ def concat_tiled_rows(parts: list[PackedWeight]) -> PackedWeight:
         ks = [p.kscales for p in parts if p.kscales is not None]
         d, sc = cat([k.d for k in ks]), cat([k.sc for k in ks])
         assert d is not None and sc is not None
-        kscales = KScales(d, cat([k.dmin for k in ks]), sc, cat([k.m for k in ks]), first.kscales.super_groups)
+        kscales = KScales(d, cat([k.dmin for k in ks]), sc, cat([k.m for k in ks]), first.kscales.super_groups,
+                          first.kscales.d_scale)
     data = cat([p.data for p in parts])
     assert data is not None
     return replace(first, n=sum(p.n for p in parts), data=data, scale=cat([p.scale for p in parts]),

@@ -61,13 +61,16 @@ class Compute(enum.IntEnum):
 @dataclass(frozen=True)
 class KScales:
     """GGUF K-quant scales as the file stores them, tiled like PackedWeight's scales (csrc/linear.h's KScales):
-    group g's scale is d * sc and its offset -(dmin * m), d and dmin those of its super-block."""
+    group g's scale is d * sc and its offset -(dmin * m), d and dmin those of its super-block (each d times d_scale)."""
 
     d: torch.Tensor  # [n_pad / 32, supers, 2, 16] float16
     dmin: torch.Tensor | None  # as d, or None (no offsets: Q6_K)
     sc: torch.Tensor  # [n_pad / 32, groups, 2, 16] uint8 (int8 when signed: Q6_K)
     m: torch.Tensor | None  # as sc (uint8), or None
     super_groups: int  # groups per super-block
+    # a power of two every d stands times (GGUF grid formats, gguf_grids.py: d / 8, where d alone is an fp16); the
+    # kernels multiply their results by it, exactly as if it were in each d. Only without offsets.
+    d_scale: float = 1.0
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -131,11 +134,12 @@ class PackedWeight:
 
 
 def pack_kscales(d: torch.Tensor, dmin: torch.Tensor | None, sc: torch.Tensor, m: torch.Tensor | None,
-                 super_groups: int) -> KScales:
+                 super_groups: int, d_scale: float = 1.0) -> KScales:
     """K-quant scales from per-row tensors: d, dmin [n, supers] (fp16 values), sc, m [n, groups] (8-bit)."""
     n_pad = round_up(d.shape[0], PAIR_TILES)
+    assert d_scale == 1.0 or dmin is None, "d_scale only without offsets"
     return KScales(group_tiles(d, n_pad), None if dmin is None else group_tiles(dmin, n_pad),
-                   group_tiles(sc, n_pad), None if m is None else group_tiles(m, n_pad), super_groups)
+                   group_tiles(sc, n_pad), None if m is None else group_tiles(m, n_pad), super_groups, d_scale)
 
 
 def kscale_rows(ks: KScales, n: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
@@ -148,7 +152,7 @@ def kscales_map(ks: KScales, n: int, change: Callable[[torch.Tensor], torch.Tens
     """K-scales with `change` applied to each per-row tensor (rows reordered, stacked)."""
     d, dmin, sc, m = kscale_rows(ks, n)
     return pack_kscales(change(d), None if dmin is None else change(dmin), change(sc),
-                        None if m is None else change(m), ks.super_groups)
+                        None if m is None else change(m), ks.super_groups, ks.d_scale)
 
 
 def group_scales(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -159,7 +163,7 @@ def group_scales(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
         return per_group(p.scale, n_pad), None if p.offset is None else per_group(p.offset, n_pad)
     d, dmin, sc, m = kscale_rows(p.kscales, n_pad)
     per = p.kscales.super_groups
-    scale = d.float().repeat_interleave(per, dim=1) * sc.float()
+    scale = d.float().repeat_interleave(per, dim=1) * sc.float() * p.kscales.d_scale  # (a power of two: exact)
     if dmin is None or m is None:
         return scale, None
     return scale, -(dmin.float().repeat_interleave(per, dim=1) * m.float())

@@ -234,6 +234,7 @@ float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
       const GroupWeights gw = group_weights(w, pair, groups, g, nullptr);
       const int l = static_cast<int>(16 * t + o);
       const float v = static_cast<float>(q) * lane_scale(gw, l);
+      if (w.ks.d_scale != 1.0f) return v * w.ks.d_scale;  // (K scales without offsets only)
       return gw.has_offset() ? v + lane_offset(gw, l) : v;
     }
   }

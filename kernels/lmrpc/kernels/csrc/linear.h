@@ -53,6 +53,9 @@ struct KScales {
   int super_shift = 0;             // log2 of the groups per super-block (8 or 16: 256 inputs of 32 or 16), so
                                    // a group finds its super-block by a shift, not a division per group
   bool sc_signed = false;          // Q6_K's multipliers are signed
+  // A power of two every d stands times (GGUF grid formats: d / 8 is not always an fp16, d is): the products
+  // fold with d and the epilogue multiplies their results by it, exactly as if each d were d * d_scale.
+  float d_scale = 1.0f;
 };
 
 // How activations enter the products: rounded to bfloat16 (AVX512-BF16 dot products, float32 sums), or float32.

@@ -285,10 +285,15 @@ inline void epilogue(const PackedWeight& w, const LinearArgs& a, int64_t row0, i
                      const float (*Y)[32 * kMaxPairs]) {
   const int64_t n0 = 32 * p, width = std::min<int64_t>(32 * pairs, w.n - n0);
   const float* bias = w.bias != nullptr ? w.bias + n0 : nullptr;
+  alignas(64) float scaled[32 * kMaxPairs];
   for (int r = 0; r < rows; ++r) {
     const int64_t i = a.y_rows != nullptr ? a.y_rows[row0 + r] : row0 + r;
     float* y = a.y + i * a.y_stride + n0;
     const float* v = Y[r];
+    if (w.ks.d_scale != 1.0f) {  // every d times a power of two (KScales::d_scale): the results times it, exactly
+      for (int64_t o = 0; o < width; ++o) scaled[o] = v[o] * w.ks.d_scale;
+      v = scaled;
+    }
 #if LMRPC_AVX512
     if (a.m >= kStreamRows && width % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0) {
       store_streamed(v, bias, a.residual != nullptr ? a.residual + i * a.residual_stride + n0 : nullptr, width, y);

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -36,7 +37,7 @@ class PackedLinear {
                std::optional<at::Tensor> codes = std::nullopt, std::optional<at::Tensor> kd = std::nullopt,
                std::optional<at::Tensor> kdmin = std::nullopt, std::optional<at::Tensor> ksc = std::nullopt,
                std::optional<at::Tensor> km = std::nullopt, int64_t super_groups = 1, bool sc_signed = false,
-               bool vnni_in_place = false, bool iq4 = false)
+               bool vnni_in_place = false, bool iq4 = false, double d_scale = 1.0)
       : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias), kd_(kd), kdmin_(kdmin), ksc_(ksc),
         km_(km), compute_(static_cast<lmrpc::Compute>(compute)) {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
@@ -82,6 +83,9 @@ class PackedLinear {
                     "scales and offsets: float16 [n_pad / 32, groups, 2, 16]");
       }
     }
+    int exponent = 0;
+    TORCH_CHECK(d_scale > 0 && std::frexp(d_scale, &exponent) == 0.5 && (d_scale == 1.0 || (k_scaled && !kdmin)),
+                "d_scale: a power of two, other than 1 only for K scales without offsets");
     if (k_scaled) {
       TORCH_CHECK(ksc.has_value() && kdmin.has_value() == km.has_value(), "K scales: d with sc, dmin with m");
       TORCH_CHECK(super_groups > 0 && (super_groups & (super_groups - 1)) == 0 && groups % super_groups == 0,
@@ -111,7 +115,7 @@ class PackedLinear {
                             static_cast<const uint8_t*>(ksc_->data_ptr()),
                             km_.has_value() ? static_cast<const uint8_t*>(km_->data_ptr()) : nullptr,
                             __builtin_ctzll(static_cast<unsigned long long>(super_groups)),
-                            sc_signed};
+                            sc_signed, static_cast<float>(d_scale)};
     }
     // Int8 activations: bfloat16 compute on AVX512-VNNI, with the codes in their own layout: once more, or with
     // vnni_in_place (the caller hands the data over) rewritten in place, so that the weight is held once (its

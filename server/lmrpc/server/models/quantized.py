@@ -156,7 +156,7 @@ def _kscale_args(weight: PackedWeight) -> dict[str, object]:
     if ks is None:
         return {}
     return {"kd": ks.d, "kdmin": ks.dmin, "ksc": ks.sc, "km": ks.m, "super_groups": ks.super_groups,
-            "sc_signed": ks.sc.dtype == torch.int8}
+            "sc_signed": ks.sc.dtype == torch.int8, "d_scale": ks.d_scale}
 
 
 # Bytes of bfloat16 copies of int8 weights' codes one model may keep (LinearBuilder): products of many rows read a

@@ -2,8 +2,9 @@
 
 Both answer by Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`). A GGUF file's Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices are handed over as their own integer
-codes and scales (`PackedWeight`, kernels/gguf_blocks.py; never dequantized), so they are served with exactly the
-file's weights; other tensors are dequantized to float32 with the gguf package.
+codes and scales (`PackedWeight`, kernels/gguf_blocks.py; never dequantized), and IQ1-IQ3 and TQ ones as exact wider
+codes (kernels/gguf_grids.py), so they are served with exactly the file's weights; other tensors are dequantized to
+float32 with the gguf package.
 llama.cpp stores the rows of Llama's q and k projections interleaved for its RoPE; they are put back in Hugging
 Face's order here (a row permutation: of the blocks' bytes before packing, or of dense values).
 """
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from lmrpc.kernels import gguf_blocks, packed_rows, packing
+from lmrpc.kernels import gguf_blocks, gguf_grids, packed_rows, packing
 from lmrpc.kernels.packing import PackedWeight
 from lmrpc.server.models.gguf_file import GGUFFile, GGUFTensor
 from lmrpc.server.models.types import ModelLoadError, ModelNotFoundError
@@ -179,7 +180,10 @@ class GGUFWeights:
         order = self._row_order(name, n)
         if order is not None:  # rows put in HF's order before packing (a copy of the permuted rows' bytes)
             raw = raw[order.numpy()]
-        packed = gguf_blocks.pack_gguf(int(t.tensor_type), raw, n, k)
+        try:
+            packed = gguf_blocks.pack_gguf(int(t.tensor_type), raw, n, k)
+        except gguf_grids.NotExact:  # a grid format's scale that its held layout would round: served dense
+            return self.tensor(name)
         self._file.release(t)
         return packed
 

@@ -1,0 +1,128 @@
+"""GGUF's grid and ternary formats (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0) held exactly in
+wider codes the kernels already multiply, instead of dequantized to bf16 or float32 at load.
+
+These formats pick each group of 4 or 8 weights from a table (a grid) of small integers, with signs and a per-group
+scale of the form d * (2 s + 1) * 2^-e. Every value is therefore an integer code times d' * sc, with d' = d * 2^-e per
+super-block and sc = 2 s + 1 per group: the K-quant form (packing.KScales) of a wider code layout. d stays the file's
+fp16 (d / 8 often would not be one); the power of two is KScales.d_scale, which the kernels apply to their results.
+
+| ggml type | value (gguf's `dequantize`) | held as | d', sc | bits a weight (file) |
+| --- | --- | --- | --- | --- |
+| IQ2_XXS, IQ2_XS, IQ2_S | d (0.5 + s) / 4 * grid * sign, grid: 8, 25, 43 | Q8 | d / 8, 2s + 1 | 8.6-8.8 (2.06-2.56) |
+| IQ3_XXS | d (0.5 + s) / 2 * grid * sign, grid: 4, 12, ..., 62 | Q6 (grid / 2) | d / 2, 2s + 1 | 6.6 (3.06) |
+| IQ3_S | d (1 + 2s) * grid * sign, grid: 1, 3, ..., 15 | Q6 | d, 2s + 1 | 6.6 (3.44) |
+| IQ1_S, IQ1_M | d (2s + 1) * (grid +- 1/8), grid: -1, 0, 1 | Q6 (8 grid +- 1) | d / 8, 2s + 1 | 6.6-6.8 (1.56-1.75) |
+| TQ1_0, TQ2_0 | d * q, q: -1, 0, 1 (TQ2_0: also 2) | Q3 | d, 1 | 3.6 (1.69-2.06) |
+
+(sc per 32 weights; per 16 in IQ2_XS, IQ2_S and IQ1_M.)
+
+The codes are read back from gguf's own `dequantize` (values / (d' * sc): no grid tables of ours), and a tensor is held
+this way only if every code comes out an integer in its layout's range and code * (d' * sc) gives every value to the
+bit (else NotExact: the loader serves it dense, as before; a d that is not finite, say). The formats take 2-4x their
+file's bytes (about half of bf16's, or less): exact products from the kernels the K-quants use, not the file's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+from lmrpc.kernels import packing
+from lmrpc.kernels.packing import PackedWeight, WeightFormat
+
+# ggml type ids
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, TQ1_0, TQ2_0 = 16, 17, 18, 19, 21, 22, 29, 34, 35
+_RANGE = {WeightFormat.Q8: (-127, 127), WeightFormat.Q6: (-32, 31), WeightFormat.Q3: (-4, 3)}  # codes each holds
+
+
+class NotExact(ValueError):
+    """A tensor whose values are not all its layout's integer codes times d' * sc (a d that is not finite, say)."""
+
+
+@dataclass(frozen=True)
+class Grid:
+    """How one format's blocks give d' and sc (the codes come from gguf's dequantize)."""
+
+    label: str  # the format's name as GetModelInfo lists it
+    block_bytes: int  # bytes of a block of 256 weights
+    held: WeightFormat  # the code layout the values are held in
+    group: int  # weights per sc (16 or 32)
+    exponent: int  # d' = d * 2^-exponent
+    scales: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # blocks [..., bytes] -> d [...], s [..., groups]
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] little-endian fp16 bytes -> float32 [...]."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _u16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.uint16)
+
+
+def _u32(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.uint32)
+
+
+def _nibbles(b: np.ndarray) -> np.ndarray:
+    """[..., m] bytes -> [..., 2m]: each byte's low nibble, then its high one."""
+    return np.stack([b & 15, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+
+
+def _iq1_m_d(b: np.ndarray) -> np.ndarray:
+    """IQ1_M's d: the top nibbles of its four scale words, lowest first, are the bits of an fp16."""
+    w = _u16(b[..., 48:56]) >> 12  # [..., 4]
+    bits = (w[..., 0] | (w[..., 1] << 4) | (w[..., 2] << 8) | (w[..., 3] << 12)).astype(np.uint16)
+    return bits.view(np.float16).astype(np.float32)
+
+
+def _shifted(words: np.ndarray, shifts: tuple[int, ...], mask: int) -> np.ndarray:
+    """[..., w] words -> [..., w * len(shifts)]: (word >> shift) & mask, each word's shifts in order."""
+    return ((words[..., None] >> np.array(shifts, dtype=words.dtype)) & mask).reshape(*words.shape[:-1], -1)
+
+
+GRIDS = {
+    IQ2_XXS: Grid("iq2_xxs", 66, WeightFormat.Q8, 32, 3,
+                  lambda b: (_f16(b[..., 0:2]), _u32(b[..., 2:66]).reshape(*b.shape[:-1], 8, 2)[..., 1] >> 28)),
+    IQ2_XS: Grid("iq2_xs", 74, WeightFormat.Q8, 16, 3, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 66:74]))),
+    IQ2_S: Grid("iq2_s", 82, WeightFormat.Q8, 16, 3, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 74:82]))),
+    IQ3_XXS: Grid("iq3_xxs", 98, WeightFormat.Q6, 32, 1, lambda b: (_f16(b[..., 0:2]), _u32(b[..., 66:98]) >> 28)),
+    IQ3_S: Grid("iq3_s", 110, WeightFormat.Q6, 32, 0, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 106:110]))),
+    IQ1_S: Grid("iq1_s", 50, WeightFormat.Q6, 32, 3,
+                lambda b: (_f16(b[..., 0:2]), (_u16(b[..., 34:50]) >> 12) & 7)),
+    IQ1_M: Grid("iq1_m", 56, WeightFormat.Q6, 16, 3,
+                lambda b: (_iq1_m_d(b), _shifted(_u16(b[..., 48:56]), (0, 3, 6, 9), 7))),
+    TQ1_0: Grid("tq1_0", 54, WeightFormat.Q3, 32, 0,
+                lambda b: (_f16(b[..., 52:54]), np.zeros((*b.shape[:-1], 8), np.uint8))),
+    TQ2_0: Grid("tq2_0", 66, WeightFormat.Q3, 32, 0,
+                lambda b: (_f16(b[..., 64:66]), np.zeros((*b.shape[:-1], 8), np.uint8))),
+}
+BLOCK = {t: (256, g.block_bytes) for t, g in GRIDS.items()}  # per ggml type: (elements, bytes) of a block
+
+
+def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
+    """Blocks [n, k / 256, bytes] of a grid format -> its weight in the held layout with K-scales d (times
+    2^-exponent: KScales.d_scale) and sc."""
+    grid = GRIDS[ggml_type]
+    d, s = grid.scales(b)  # [n, supers] (fp16 values), [n, supers, groups a super-block]
+    sc = np.ones_like(s, np.int32) if grid.label.startswith("tq") else 2 * s.astype(np.int32) + 1
+    sc = sc.reshape(n, -1)  # [n, groups]
+    d_scale = 2.0 ** -grid.exponent
+    values = np.asarray(gguf.quants.dequantize(b.reshape(n, -1), gguf.GGMLQuantizationType(ggml_type)),
+                        dtype=np.float32).reshape(n, k)
+    # each value's d * d_scale * sc: exact in float32 (an fp16 times a power of two times a 5-bit integer)
+    factor = np.repeat(np.repeat(d, 256 // grid.group, axis=1) * np.float32(d_scale) * sc.astype(np.float32),
+                       grid.group, axis=1)  # [n, k]
+    with np.errstate(invalid="ignore", divide="ignore"):  # (a d that is not finite: refused just below)
+        codes = np.divide(values, factor, out=np.zeros_like(values), where=factor != 0)
+    low, high = _RANGE[grid.held]
+    if not (np.array_equal(codes, np.round(codes)) and codes.min(initial=0) >= low and codes.max(initial=0) <= high
+            and np.array_equal(codes * factor, values)):
+        raise NotExact(f"{grid.label}: values that are not {grid.held.name} codes times d * sc * {d_scale}")
+    ks = packing.pack_kscales(torch.from_numpy(d), None, torch.from_numpy(sc.astype(np.uint8)), None,
+                              256 // grid.group, d_scale)
+    return packing.pack_k(grid.held, torch.from_numpy(codes.astype(np.int8)), grid.group, ks, grid.label)

@@ -1,0 +1,86 @@
+"""GGUF's grid and ternary formats (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0) held exactly in
+wider codes (kernels/gguf_grids.py): the weight is gguf's `dequantize` to the bit, and every product equals, bit for
+bit, the reference product of test_gguf_formats over that weight's codes and K-scales, for every row count and
+however rows are split between threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf_blocks_ref import GRID_FORMATS, KParts, Reference, random_grid_blocks
+from test_gguf_formats import ROWS, kernel, reference_product
+
+from lmrpc.kernels import gguf_blocks, gguf_grids, native, packed_rows, packing
+from lmrpc.kernels.packing import Compute, PackedWeight
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
+
+
+def load(fmt: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, np.ndarray]:
+    """The packed weight and gguf's dequantize of the same random blocks."""
+    qtype = GRID_FORMATS[fmt][0]
+    raw = random_grid_blocks(fmt, n, k, seed)
+    values = np.asarray(gguf_grids.gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(n, k)
+    return gguf_blocks.pack_gguf(int(qtype), raw, n, k), values
+
+
+def reference_of(p: PackedWeight, values: np.ndarray) -> Reference:
+    """The codes and K-scales p holds, once they are shown to give gguf's values to the bit."""
+    assert p.kscales is not None
+    d, _, sc, _ = packing.kscale_rows(p.kscales, p.n)
+    d32 = d.float().numpy() * np.float32(p.kscales.d_scale)  # [n, supers] (a power of two: exact)
+    sc32 = sc.float().numpy()  # [n, groups]
+    scale = np.repeat(d32, p.kscales.super_groups, axis=1) * sc32
+    codes = packing.codes_of(p).float().numpy()[: p.n, : p.k]
+    assert np.array_equal(codes * np.repeat(scale, p.group, axis=1), values)
+    return Reference(values, codes, scale, None, p.group, KParts(d32, sc32, None, None, p.kscales.super_groups))
+
+
+@pytest.mark.parametrize("fmt", sorted(GRID_FORMATS))
+def test_the_loaded_weight_is_ggufs_dequantize_to_the_bit(fmt: str) -> None:
+    n, k = 72, 512
+    p, values = load(fmt, n, k)
+    assert p.label == fmt
+    assert np.array_equal(packing.dequantize(p).numpy(), values)
+    reference_of(p, values)
+    ids = torch.tensor([0, 31, 32, 71])  # rows read back for embedding lookups (a tied weight)
+    for compute in Compute:
+        assert np.array_equal(kernel(p, compute).rows(ids).numpy(), values[ids.numpy()]), compute
+    other, other_values = load(fmt, 40, k, seed=1)  # stacked (fused qkv) and rows permuted (llama.cpp's q/k order)
+    stacked = packed_rows.concat_rows([p, other])
+    assert np.array_equal(packing.dequantize(stacked).numpy(), np.concatenate([values, other_values]))
+    order = torch.randperm(112, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(packing.dequantize(packed_rows.permute_rows(stacked, order)),
+                       packing.dequantize(stacked)[order])
+
+
+@pytest.mark.parametrize("fmt", sorted(GRID_FORMATS))
+@pytest.mark.parametrize("compute", [Compute.F32, Compute.BF16], ids=["f32", "bf16"])
+def test_products_equal_the_reference_bitwise_for_every_row_count_and_split(fmt: str, compute: Compute) -> None:
+    bf16 = compute == Compute.BF16
+    exact = not (bf16 and native.load().native_bf16())  # AVX512-BF16 dot products round differently: checked apart
+    for n, k in ((64, 512), (100, 256)):
+        p, values = load(fmt, n, k, seed=n)
+        lin = kernel(p, compute)
+        x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(k))
+        xin = x.bfloat16().float() if bf16 else x
+        expected = reference_product(reference_of(p, values), xin.numpy(), bf16)
+        if not exact:
+            torch.testing.assert_close(lin.forward(x), torch.from_numpy(expected), atol=1e-4, rtol=1e-4)
+            expected = lin.forward(x).numpy()
+        threads = torch.get_num_threads()
+        try:
+            for count in (1, threads):
+                torch.set_num_threads(count)
+                for m in ROWS:
+                    assert np.array_equal(lin.forward(x[:m]).numpy(), expected[:m]), (n, m, count)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_a_scale_no_code_layout_gives_exactly_is_refused_and_the_weight_served_dense() -> None:
+    raw = random_grid_blocks("iq2_xxs", 32, 256, seed=3).reshape(32, 1, 66).copy()
+    raw[5, 0, 0:2] = np.array([np.inf], dtype=np.float16).view(np.uint8)  # d = inf: inf * 0 is not a code times d
+    with pytest.raises(gguf_grids.NotExact, match="iq2_xxs"):
+        gguf_blocks.pack_gguf(int(GRID_FORMATS["iq2_xxs"][0]), raw.reshape(32, -1), 32, 256)
