@@ -15,9 +15,10 @@ Each shape is written once as F16 (F32 norms), tensor by tensor, so a 1.7B file 
 several GB; llama-quantize (from bench/build_llamacpp.sh, run here unless --llama-quantize is given) then makes the
 siblings of --types: Q4_0 --pure (every tensor Q4_0, token embeddings included: what llama.cpp runs fastest on a
 CPU, repacked at load into interleaved blocks), Q4_K_M and Q8_0 (llama.cpp's default mixtures; on request Q3_K_M,
-IQ4_XS). Everything is cached in $LMRPC_BENCH_CACHE/models (default ~/.cache/lmrpc-bench/models, where
-bench/build_llamacpp.sh puts its GGUFs); a second run finds the files and only prints their paths, one `GGUF=<path>`
-line each.
+IQ4_XS, Q5_K_M, IQ3_M, and IQ3_XXS, IQ2_XXS and IQ1_M, which llama-quantize makes only with an importance matrix:
+given one where every input weighs the same, random weights having nothing to measure). Everything is cached in
+$LMRPC_BENCH_CACHE/models (default ~/.cache/lmrpc-bench/models, where bench/build_llamacpp.sh puts its GGUFs); a
+second run finds the files and only prints their paths, one `GGUF=<path>` line each.
 
 --check starts lmrpc-server (--model FILE) and llama-server (-m FILE) on each file in turn and has each greedily
 generate a few tokens from the same token-id prompt: that both load the file, and what they make of it.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -82,9 +84,12 @@ QUANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "IQ4_XS": ("IQ4_XS", ()),  # the non-linear 4-bit format, made without an importance matrix
     "Q5_K_M": ("Q5_K_M", ()),  # on request: the 5-bit mixture (Q5_K, with Q6_K beside it)
     "IQ3_M": ("IQ3_M", ()),  # on request: the grid formats (IQ3_S, with Q4_K beside it), no importance matrix
-    "IQ3_XXS": ("IQ3_XXS", ()),  # (IQ1 and IQ2 types need an importance matrix: llama-quantize refuses them without)
+    "IQ3_XXS": ("IQ3_XXS", ()),  # this and the IQ1 and IQ2 types: with a uniform importance matrix (uniform_imatrix)
+    "IQ2_XXS": ("IQ2_XXS", ()),
+    "IQ1_M": ("IQ1_M", ()),
 }
 DEFAULT_TYPES = ("Q4_0-pure", "Q4_K_M", "Q8_0")
+NEEDS_IMATRIX = frozenset({"IQ3_XXS", "IQ2_XXS", "IQ1_M"})  # llama-quantize refuses these without one
 
 
 # ---- where things are ------------------------------------------------------------------------------------------
@@ -207,7 +212,26 @@ def write_random_gguf(shape: Shape, tokenizer_gguf: Path, out: Path) -> None:
 
 def quantize(llama_quantize: str, source: Path, out: Path, kind: str) -> None:
     qtype, flags = QUANTS[kind]
+    if kind in NEEDS_IMATRIX:
+        flags = (*flags, "--imatrix", str(uniform_imatrix(source)))
     run_quantize([llama_quantize, *flags, str(source)], qtype, out)
+
+
+def uniform_imatrix(source: Path) -> Path:
+    """An importance matrix in llama.cpp's legacy file format (entries: int32 name length, name, int32 calls, int32
+    values, float32 values) giving every input of every matrix of `source` the weight 1: cached beside it."""
+    out = source.with_name(source.stem + ".uniform-imatrix.dat")
+    if out.exists():
+        return out
+    matrices = [(t.name, int(t.shape[0])) for t in gguf.GGUFReader(source).tensors if len(t.shape) == 2]
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(struct.pack("<i", len(matrices)))
+        for name, inputs in matrices:  # a GGUF shape lists the inputs (the innermost dimension) first
+            f.write(struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", 1, inputs))
+            f.write(np.ones(inputs, dtype=np.float32).tobytes())
+    tmp.rename(out)
+    return out
 
 
 def run_quantize(command: list[str], qtype: str, out: Path) -> None:

@@ -10,8 +10,8 @@ fp16 (d / 8 often would not be one); the power of two is KScales.d_scale, which 
 | --- | --- | --- | --- | --- |
 | IQ2_XXS, IQ2_XS, IQ2_S | d (0.5 + s) / 4 * grid * sign, grid: 8, 25, 43 | Q8 | d / 8, 2s + 1 | 8.6-8.8 (2.06-2.56) |
 | IQ3_XXS | d (0.5 + s) / 2 * grid * sign, grid: 4, 12, ..., 62 | Q6 (grid / 2) | d / 2, 2s + 1 | 6.6 (3.06) |
-| IQ3_S | d (1 + 2s) * grid * sign, grid: 1, 3, ..., 15 | Q6 | d, 2s + 1 | 6.6 (3.44) |
-| IQ1_S, IQ1_M | d (2s + 1) * (grid +- 1/8), grid: -1, 0, 1 | Q6 (8 grid +- 1) | d / 8, 2s + 1 | 6.6-6.8 (1.56-1.75) |
+| IQ3_S | d (1 + 2s) * grid * sign, grid: 1, 3, ..., 15 | Q5 (signed) | d, 2s + 1 | 5.6 (3.44) |
+| IQ1_S, IQ1_M | d (2s + 1) * (grid +- 1/8), grid: -1, 0, 1 | Q5 (8 grid +- 1) | d / 8, 2s + 1 | 5.6-5.8 (1.56-1.75) |
 | TQ1_0, TQ2_0 | d * q, q: -1, 0, 1 (TQ2_0: also 2) | Q3 | d, 1 | 3.6 (1.69-2.06) |
 
 (sc per 32 weights; per 16 in IQ2_XS, IQ2_S and IQ1_M.)
@@ -36,7 +36,9 @@ from lmrpc.kernels.packing import PackedWeight, WeightFormat
 
 # ggml type ids
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, TQ1_0, TQ2_0 = 16, 17, 18, 19, 21, 22, 29, 34, 35
-_RANGE = {WeightFormat.Q8: (-127, 127), WeightFormat.Q6: (-32, 31), WeightFormat.Q3: (-4, 3)}  # codes each holds
+# the codes each layout holds (Q5: signed, each code + 16 in 5 bits)
+_RANGE = {WeightFormat.Q8: (-127, 127), WeightFormat.Q6: (-32, 31), WeightFormat.Q5: (-16, 15),
+          WeightFormat.Q3: (-4, 3)}
 
 
 class NotExact(ValueError):
@@ -91,10 +93,10 @@ GRIDS = {
     IQ2_XS: Grid("iq2_xs", 74, WeightFormat.Q8, 16, 3, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 66:74]))),
     IQ2_S: Grid("iq2_s", 82, WeightFormat.Q8, 16, 3, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 74:82]))),
     IQ3_XXS: Grid("iq3_xxs", 98, WeightFormat.Q6, 32, 1, lambda b: (_f16(b[..., 0:2]), _u32(b[..., 66:98]) >> 28)),
-    IQ3_S: Grid("iq3_s", 110, WeightFormat.Q6, 32, 0, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 106:110]))),
-    IQ1_S: Grid("iq1_s", 50, WeightFormat.Q6, 32, 3,
+    IQ3_S: Grid("iq3_s", 110, WeightFormat.Q5, 32, 0, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 106:110]))),
+    IQ1_S: Grid("iq1_s", 50, WeightFormat.Q5, 32, 3,
                 lambda b: (_f16(b[..., 0:2]), (_u16(b[..., 34:50]) >> 12) & 7)),
-    IQ1_M: Grid("iq1_m", 56, WeightFormat.Q6, 16, 3,
+    IQ1_M: Grid("iq1_m", 56, WeightFormat.Q5, 16, 3,
                 lambda b: (_iq1_m_d(b), _shifted(_u16(b[..., 48:56]), (0, 3, 6, 9), 7))),
     TQ1_0: Grid("tq1_0", 54, WeightFormat.Q3, 32, 0,
                 lambda b: (_f16(b[..., 52:54]), np.zeros((*b.shape[:-1], 8), np.uint8))),
@@ -125,4 +127,5 @@ def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
         raise NotExact(f"{grid.label}: values that are not {grid.held.name} codes times d * sc * {d_scale}")
     ks = packing.pack_kscales(torch.from_numpy(d), None, torch.from_numpy(sc.astype(np.uint8)), None,
                               256 // grid.group, d_scale)
-    return packing.pack_k(grid.held, torch.from_numpy(codes.astype(np.int8)), grid.group, ks, grid.label)
+    q = torch.from_numpy(codes.astype(np.int8))  # [n, k]
+    return packing.pack_k(grid.held, q, grid.group, ks, grid.label, signed=grid.held == WeightFormat.Q5)

@@ -63,7 +63,7 @@ def concat_repacked(parts: list[PackedWeight]) -> PackedWeight:
         d, dmin, sc, m = (None if r[0] is None else torch.cat(list(r)) for r in zip(*rows, strict=True))
         assert d is not None and sc is not None
         ks = pack_kscales(d, dmin, sc, m, first.kscales.super_groups, first.kscales.d_scale)
-        return pack_k(first.format, codes, first.group, ks, first.label)
+        return pack_k(first.format, codes, first.group, ks, first.label, first.q4_signed)
     scale = torch.cat([per_group(p.scale, p.n) for p in parts])
     offset = None if first.offset is None else torch.cat([per_group(p.offset, p.n) for p in parts])
     return _repack(first, codes, scale, offset)
@@ -110,6 +110,6 @@ def permute_rows(p: PackedWeight, order: torch.Tensor) -> PackedWeight:
         return pack_dense(dense_values(p)[order])
     codes = codes_of(p)[order]
     if p.kscales is not None:
-        return pack_k(p.format, codes, p.group, kscales_map(p.kscales, p.n, lambda t: t[order]), p.label)
+        return pack_k(p.format, codes, p.group, kscales_map(p.kscales, p.n, lambda t: t[order]), p.label, p.q4_signed)
     offset = None if p.offset is None else per_group(p.offset, p.n)[order]
     return _repack(p, codes, per_group(p.scale, p.n)[order], offset)

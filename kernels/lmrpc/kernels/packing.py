@@ -288,17 +288,18 @@ def pack_q4_tiled(data: torch.Tensor, n: int, k: int, scale: torch.Tensor, offse
                         None if offset is None else group_tiles(offset, n_pad), name=name)
 
 
-def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales, name: str) -> PackedWeight:
+def pack_k(fmt: WeightFormat, codes: torch.Tensor, group: int, kscales: KScales, name: str,
+           signed: bool = False) -> PackedWeight:
     """Codes [n, k] with K-quant scales: Q4 (4-bit codes 0..15, groups of 32), Q8 (int8 codes), Q6 (-32..31), Q5
-    (0..31) or Q3 (-4..3)."""
+    (0..31, or -16..15 signed: GGUF grid formats) or Q3 (-4..3)."""
     n, k = codes.shape
     if fmt == WeightFormat.Q4:
         data = q4_data(codes, False)
     else:
         data = _q8_data(codes, group)
         if fmt in NARROW:
-            data = _narrowed(data, fmt, signed=False)
-    return pack_k_tiled(fmt, data, n, k, group, kscales, name)
+            data = _narrowed(data, fmt, signed=signed)
+    return replace(pack_k_tiled(fmt, data, n, k, group, kscales, name), q4_signed=signed)
 
 
 def pack_k_tiled(fmt: WeightFormat, data: torch.Tensor, n: int, k: int, group: int, kscales: KScales, name: str
