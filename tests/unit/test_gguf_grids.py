@@ -26,13 +26,16 @@ def load(fmt: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, np.ndar
 
 
 def reference_of(p: PackedWeight, values: np.ndarray) -> Reference:
-    """The codes and K-scales p holds, once they are shown to give gguf's values to the bit."""
+    """The codes (values) and K-scales p holds, once they are shown to give gguf's values to the bit."""
     assert p.kscales is not None
     d, _, sc, _ = packing.kscale_rows(p.kscales, p.n)
     d32 = d.float().numpy() * np.float32(p.kscales.d_scale)  # [n, supers] (a power of two: exact)
     sc32 = sc.float().numpy()  # [n, groups]
     scale = np.repeat(d32, p.kscales.super_groups, axis=1) * sc32
-    codes = packing.codes_of(p).float().numpy()[: p.n, : p.k]
+    codes = packing.codes_of(p)  # [n_pad, k_pad]: the values, or indices into the weight's table of them
+    if p.q4_values is not None:
+        codes = packing.table_values(codes, p.q4_values)
+    codes = codes.float().numpy()[: p.n, : p.k]
     assert np.array_equal(codes * np.repeat(scale, p.group, axis=1), values)
     return Reference(values, codes, scale, None, p.group, KParts(d32, sc32, None, None, p.kscales.super_groups))
 
@@ -42,6 +45,8 @@ def test_the_loaded_weight_is_ggufs_dequantize_to_the_bit(fmt: str) -> None:
     n, k = 72, 512
     p, values = load(fmt, n, k)
     assert p.label == fmt
+    # a scale per 32 weights: 4-bit indices into a table of the values (as IQ4's); per 16: the codes themselves
+    assert (p.q4_values is not None) == (fmt in ("iq2_xxs", "iq3_xxs", "iq3_s", "iq1_s"))
     assert np.array_equal(packing.dequantize(p).numpy(), values)
     reference_of(p, values)
     ids = torch.tensor([0, 31, 32, 71])  # rows read back for embedding lookups (a tied weight)

@@ -38,7 +38,8 @@ def kernel(p: PackedWeight, int16: bool, compute: Compute = Compute.F32, int8: b
     extra = {} if ks is None else {"kd": ks.d, "kdmin": ks.dmin, "ksc": ks.sc, "km": ks.m,
                                    "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8}
     return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
-                                      p.offset, None, int8_activations=int8, int16_activations=int16, iq4=p.iq4,
+                                      p.offset, None, int8_activations=int8, int16_activations=int16,
+                                      q4_values=list(p.q4_values or ()),
                                       **extra)
 
 

@@ -8,18 +8,22 @@ fp16 (d / 8 often would not be one); the power of two is KScales.d_scale, which 
 
 | ggml type | value (gguf's `dequantize`) | held as | d', sc | bits a weight (file) |
 | --- | --- | --- | --- | --- |
-| IQ2_XXS, IQ2_XS, IQ2_S | d (0.5 + s) / 4 * grid * sign, grid: 8, 25, 43 | Q8 | d / 8, 2s + 1 | 8.6-8.8 (2.06-2.56) |
-| IQ3_XXS | d (0.5 + s) / 2 * grid * sign, grid: 4, 12, ..., 62 | Q6 (grid / 2) | d / 2, 2s + 1 | 6.6 (3.06) |
-| IQ3_S | d (1 + 2s) * grid * sign, grid: 1, 3, ..., 15 | Q5 (signed) | d, 2s + 1 | 5.6 (3.44) |
-| IQ1_S, IQ1_M | d (2s + 1) * (grid +- 1/8), grid: -1, 0, 1 | Q5 (8 grid +- 1) | d / 8, 2s + 1 | 5.6-5.8 (1.56-1.75) |
+| IQ2_XXS | d (0.5 + s) / 4 * grid * sign, grid: 8, 25, 43 | Q4, a table of 6 values | d / 8, 2s + 1 | 4.31 (2.06) |
+| IQ2_XS, IQ2_S | the same, sc per 16 weights | Q8 | d / 8, 2s + 1 | 8.6-8.8 (2.31-2.56) |
+| IQ3_XXS | d (0.5 + s) / 2 * grid * sign, grid: 4, 12 .. 62 | Q4, a table of grid / 2 | d / 2, 2s + 1 | 4.31 (3.06) |
+| IQ3_S | d (1 + 2s) * grid * sign, grid: 1, 3, ..., 15 | Q4, a table of 16 values | d, 2s + 1 | 4.31 (3.44) |
+| IQ1_S | d (2s + 1) * (grid +- 1/8), grid: -1, 0, 1 | Q4, a table of 8 grid +- 1 | d / 8, 2s + 1 | 4.31 (1.56) |
+| IQ1_M | the same, sc per 16 weights | Q5 (signed) | d / 8, 2s + 1 | 5.8 (1.75) |
 | TQ1_0, TQ2_0 | d * q, q: -1, 0, 1 (TQ2_0: also 2) | Q3 | d, 1 | 3.6 (1.69-2.06) |
 
-(sc per 32 weights; per 16 in IQ2_XS, IQ2_S and IQ1_M.)
+The formats with an sc per 32 weights take at most 16 distinct codes: held as 4-bit indices into a table of their
+values (packing.Q4_TABLES), which bfloat16 products look up as they do IQ4's (csrc's Q4Table); Q4's layout has no
+groups of 16, so IQ2_XS, IQ2_S and IQ1_M keep their codes themselves.
 
 The codes are read back from gguf's own `dequantize` (values / (d' * sc): no grid tables of ours), and a tensor is held
 this way only if every code comes out an integer in its layout's range and code * (d' * sc) gives every value to the
-bit (else NotExact: the loader serves it dense, as before; a d that is not finite, say). The formats take 2-4x their
-file's bytes (about half of bf16's, or less): exact products from the kernels the K-quants use, not the file's size.
+bit (else NotExact: the loader serves it dense, as before; a d that is not finite, say). They take more bytes than
+the file (1.3-4x), a third to a half of bf16's: exact products from the kernels the other formats use.
 """
 
 from __future__ import annotations
@@ -88,13 +92,13 @@ def _shifted(words: np.ndarray, shifts: tuple[int, ...], mask: int) -> np.ndarra
 
 
 GRIDS = {
-    IQ2_XXS: Grid("iq2_xxs", 66, WeightFormat.Q8, 32, 3,
+    IQ2_XXS: Grid("iq2_xxs", 66, WeightFormat.Q4, 32, 3,
                   lambda b: (_f16(b[..., 0:2]), _u32(b[..., 2:66]).reshape(*b.shape[:-1], 8, 2)[..., 1] >> 28)),
     IQ2_XS: Grid("iq2_xs", 74, WeightFormat.Q8, 16, 3, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 66:74]))),
     IQ2_S: Grid("iq2_s", 82, WeightFormat.Q8, 16, 3, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 74:82]))),
-    IQ3_XXS: Grid("iq3_xxs", 98, WeightFormat.Q6, 32, 1, lambda b: (_f16(b[..., 0:2]), _u32(b[..., 66:98]) >> 28)),
-    IQ3_S: Grid("iq3_s", 110, WeightFormat.Q5, 32, 0, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 106:110]))),
-    IQ1_S: Grid("iq1_s", 50, WeightFormat.Q5, 32, 3,
+    IQ3_XXS: Grid("iq3_xxs", 98, WeightFormat.Q4, 32, 1, lambda b: (_f16(b[..., 0:2]), _u32(b[..., 66:98]) >> 28)),
+    IQ3_S: Grid("iq3_s", 110, WeightFormat.Q4, 32, 0, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 106:110]))),
+    IQ1_S: Grid("iq1_s", 50, WeightFormat.Q4, 32, 3,
                 lambda b: (_f16(b[..., 0:2]), (_u16(b[..., 34:50]) >> 12) & 7)),
     IQ1_M: Grid("iq1_m", 56, WeightFormat.Q5, 16, 3,
                 lambda b: (_iq1_m_d(b), _shifted(_u16(b[..., 48:56]), (0, 3, 6, 9), 7))),
@@ -121,11 +125,19 @@ def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
                        grid.group, axis=1)  # [n, k]
     with np.errstate(invalid="ignore", divide="ignore"):  # (a d that is not finite: refused just below)
         codes = np.divide(values, factor, out=np.zeros_like(values), where=factor != 0)
-    low, high = _RANGE[grid.held]
+    low, high = _RANGE[grid.held] if grid.held != WeightFormat.Q4 else (-128, 127)
     if not (np.array_equal(codes, np.round(codes)) and codes.min(initial=0) >= low and codes.max(initial=0) <= high
             and np.array_equal(codes * factor, values)):
         raise NotExact(f"{grid.label}: values that are not {grid.held.name} codes times d * sc * {d_scale}")
     ks = packing.pack_kscales(torch.from_numpy(d), None, torch.from_numpy(sc.astype(np.uint8)), None,
                               256 // grid.group, d_scale)
+    if grid.held == WeightFormat.Q4:  # 4-bit indices into the format's table of values (packing.Q4_TABLES)
+        lookup = np.full(256, -1, np.int16)  # code + 128 -> its first index in the table, or -1
+        for i, v in reversed(list(enumerate(packing.Q4_TABLES[grid.label]))):
+            lookup[v + 128] = i
+        index = lookup[codes.astype(np.int16) + 128]  # [n, k]
+        if (index < 0).any():
+            raise NotExact(f"{grid.label}: codes outside its table")
+        return packing.pack_k(WeightFormat.Q4, torch.from_numpy(index.astype(np.uint8)), grid.group, ks, grid.label)
     q = torch.from_numpy(codes.astype(np.int8))  # [n, k]
     return packing.pack_k(grid.held, q, grid.group, ks, grid.label, signed=grid.held == WeightFormat.Q5)

@@ -6,10 +6,11 @@ run, kpair by kpair (both tiles' vectors side by side), so a thread reading it s
 Quantized weights keep integer codes with float32 scales (and offsets) per group of inputs:
 
 - Q4: 4-bit codes in groups of 32, value `(q - 8) * scale` (GGUF Q4_0, "signed"), `q * scale + offset` (Q4_1 and
-  our own asymmetric int4) or `IQ4_VALUES[q] * scale` (GGUF IQ4_NL, IQ4_XS; bfloat16 products only, see `iq4`). A
+  our own asymmetric int4) or `T[q] * scale` (GGUF IQ4_NL, IQ4_XS and grid formats: a table T of Q4_TABLES;
+  bfloat16 products only, see `q4_values`). A
   GGUF file's blocks are repacked code for code, never dequantized, so a model is served with exactly its own
   weights.
-- Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0, and IQ4 weights' values for
+- Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0, and tabled Q4 weights' values for
   float32 compute) or one group per output row (our own int8 per-channel quantization).
 - Q6: Q8 whose codes lie in -32..31 held in 6 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q6_K), or
   of 16 or 32 for Q3 and Q5 weights with float32 compute, so a Q4_K_M file's 6-bit tensors take their own size.
@@ -37,8 +38,18 @@ from lmrpc.kernels.tiles import PAIR_TILES, TILE, group_tiles, pad, per_group, r
 
 MIN_SCALE = 2.0**-24  # the smallest positive float16: a group of zeros keeps a non-zero scale
 Q4_GROUP = 32
-# GGUF's IQ4_NL and IQ4_XS values (ggml's kvalues_iq4nl), indexed by their 4-bit codes (csrc/linear_codes.h's too)
+# GGUF's IQ4_NL and IQ4_XS values (ggml's kvalues_iq4nl), indexed by their 4-bit codes
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# The values Q4 codes index, by the label of a weight whose codes are not q or q - 8: IQ4's, and those of the GGUF
+# grid formats held in 4 bits (gguf_grids.py: each value a grid value times its sign; unused entries 0). bfloat16
+# products turn codes into values through the table (csrc's Q4Table); float32 compute holds the values as Q8.
+Q4_TABLES: dict[str, tuple[int, ...]] = {
+    "iq4_nl": IQ4_VALUES, "iq4_xs": IQ4_VALUES,
+    "iq3_s": tuple(range(-15, 16, 2)),  # grid 1, 3, ..., 15
+    "iq3_xxs": (-31, -26, -22, -18, -14, -10, -6, -2, 2, 6, 10, 14, 18, 22, 26, 31),  # grid 4, 12, ..., 62, halved
+    "iq2_xxs": (-43, -25, -8, 8, 25, 43, *(0,) * 10),  # grid 8, 25, 43
+    "iq1_s": (-9, -7, -1, 1, 7, 9, *(0,) * 10),  # 8 x (grid -1, 0, 1 + or - 1/8)
+}
 
 
 class WeightFormat(enum.IntEnum):
@@ -116,9 +127,9 @@ class PackedWeight:
         return round_up(self.k, self.group)
 
     @property
-    def iq4(self) -> bool:
-        """Q4 codes that index IQ4_VALUES (GGUF IQ4_NL, IQ4_XS) instead of standing for q or q - 8."""
-        return self.format == WeightFormat.Q4 and self.name in ("iq4_nl", "iq4_xs")
+    def q4_values(self) -> tuple[int, ...] | None:
+        """The 16 values Q4 codes index (Q4_TABLES: GGUF IQ4_NL, IQ4_XS and grid formats), or None: q or q - 8."""
+        return Q4_TABLES.get(self.label) if self.format == WeightFormat.Q4 else None
 
     @property
     def label(self) -> str:
@@ -310,17 +321,17 @@ def pack_k_tiled(fmt: WeightFormat, data: torch.Tensor, n: int, k: int, group: i
     return PackedWeight(fmt, n, k, group, False, data, None, None, kscales, name)
 
 
-def iq4_values(codes: torch.Tensor) -> torch.Tensor:
-    """IQ4 codes (0..15, any integer or float dtype) -> the int8 values they index (IQ4_VALUES)."""
-    return torch.tensor(IQ4_VALUES, dtype=torch.int8)[codes.long()]
+def table_values(codes: torch.Tensor, values: tuple[int, ...]) -> torch.Tensor:
+    """Codes (0..15, any integer or float dtype) -> the int8 values they index in `values` (Q4_TABLES)."""
+    return torch.tensor(values, dtype=torch.int8)[codes.long()]
 
 
 def dequantize(p: PackedWeight) -> torch.Tensor:
     """The float32 weight [n, k] a packed weight stands for (the reference the kernels are tested against):
     q * scale (+ offset), as gguf's dequantize computes it."""
     codes = _padded_codes(p).float()  # [n_pad, k_pad]
-    if p.iq4:
-        codes = iq4_values(codes).float()
+    if p.q4_values is not None:
+        codes = table_values(codes, p.q4_values).float()
     elif p.format == WeightFormat.Q4 and p.q4_signed:
         codes = codes - 8
     if not p.quantized:

@@ -273,7 +273,7 @@ void weight_rows(const PackedWeight& w, const int64_t* ids, int64_t count, float
 
 void expand_codes(const PackedWeight& w, uint16_t* out) {
   const int64_t kp = w.k_pad / 2, groups = w.k_pad / w.group, gkp = w.group / 2, pairs = w.n_pad / 32;
-  const Q4Table table(w.q4_signed, w.iq4);
+  const Q4Table table(w);
   for (int64_t p = 0; p < pairs; ++p) {
     ExpandSource<uint16_t>{PairIndex{&w, p, groups, gkp, kp}, &table, out + p * kp * 64}.expand_all();
   }

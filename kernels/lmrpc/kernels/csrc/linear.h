@@ -9,7 +9,7 @@ namespace lmrpc {
 enum class WeightFormat : int32_t {
   F32 = 0,   // float32 values
   BF16 = 1,  // bfloat16 values
-  Q4 = 2,    // 4-bit codes q in groups of 32, value (q - 8 if q4_signed else q) * scale + offset (iq4: T[q] * scale)
+  Q4 = 2,    // 4-bit codes q in groups of 32, value (q - 8 if q4_signed else q) * scale + offset (table: T[q] * scale)
   Q8 = 3,    // signed 8-bit codes in groups of `group` elements, value q * scale (+ offset)
   Q6 = 4,    // Q8 whose codes lie in -32..31 (GGUF Q6_K; Q5 and Q3 for float32), held in 6 bits: see kQ6UnitBytes
   Q3 = 5,    // Q8 whose codes lie in -4..3 (GGUF Q3_K, Q2_K), held in 3 bits: see kQ3BlockBytes (bf16 products only)
@@ -96,10 +96,11 @@ struct PackedWeight {
   // gone; codes_in_vnni_order), so that the weight is not held twice: then no product of it takes float inputs,
   // and weight_rows reads this order.
   const uint8_t* vnni = nullptr;
-  // Q4 codes that index GGUF's IQ4 table (kIq4Values: IQ4_NL, IQ4_XS) instead of standing for q or q - 8. Only
-  // bfloat16 products take them (their codes become values through a table, Q4Table); float32 compute holds such a
-  // weight as Q8 (packing.py).
-  bool iq4 = false;
+  // Q4 codes that index a table of 16 int8 values (GGUF's IQ4_NL and IQ4_XS, and the grid formats held in 4 bits:
+  // packing.Q4_TABLES) instead of standing for q or q - 8. Only bfloat16 products take them (their codes become
+  // values through Q4Table); float32 compute holds such a weight as Q8 (packing.py).
+  bool q4_table = false;
+  int8_t q4_values[16] = {};
 
   bool codes_in_vnni_order() const { return vnni != nullptr && vnni == data; }
 

@@ -15,12 +15,9 @@ namespace lmrpc::linear_detail {
 
 inline int q4_value(uint8_t code, bool is_signed) { return is_signed ? static_cast<int>(code) - 8 : code; }
 
-// GGUF's IQ4_NL and IQ4_XS values (ggml's kvalues_iq4nl), indexed by a 4-bit code: exact in bfloat16.
-constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
 // What a Q4 code of weight `w` stands for (times its group's scale, plus its offset).
 inline int q4_code_value(uint8_t code, const PackedWeight& w) {
-  return w.iq4 ? kIq4Values[code & 15] : q4_value(code, w.q4_signed);
+  return w.q4_table ? w.q4_values[code & 15] : q4_value(code, w.q4_signed);
 }
 
 // The code of byte b of Q8 vector i (0..3) of a Q6 unit (linear.h).
@@ -43,14 +40,15 @@ inline int word_code(const uint8_t* block, int i, int64_t b) {
 }
 
 // bf16 values of the 16 codes, twice: vpermw reads 5 bits of an index, and with the table doubled its fifth bit (a
-// high nibble's lowest, q4_chunk) never changes the value picked.
+// high nibble's lowest, q4_chunk) never changes the value picked. (int8 values: exact in bfloat16.)
 struct Q4Table {
   alignas(64) uint16_t bf16[32];
-  explicit Q4Table(bool is_signed, bool iq4 = false) {
+  explicit Q4Table(bool is_signed, const int8_t* values = nullptr) {
     for (int q = 0; q < 32; ++q) {
-      bf16[q] = f32_to_bf16(static_cast<float>(iq4 ? kIq4Values[q & 15] : q4_value(q & 15, is_signed)));
+      bf16[q] = f32_to_bf16(static_cast<float>(values != nullptr ? values[q & 15] : q4_value(q & 15, is_signed)));
     }
   }
+  explicit Q4Table(const PackedWeight& w) : Q4Table(w.q4_signed, w.q4_table ? w.q4_values : nullptr) {}
 };
 
 constexpr int kPrefetchGroups = 4;  // Q4 groups read ahead (2 KiB): codes stream from memory as they are expanded

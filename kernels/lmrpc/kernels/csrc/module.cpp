@@ -20,14 +20,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, bool, at::Tensor, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, std::optional<at::Tensor>, bool, bool, bool, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>,
-                    std::optional<at::Tensor>, int64_t, bool, bool, bool, double>(),
+                    std::optional<at::Tensor>, int64_t, bool, bool, std::vector<int64_t>, double>(),
            py::arg("format"), py::arg("compute"), py::arg("n"), py::arg("k"), py::arg("group"), py::arg("q4_signed"),
            py::arg("data"), py::arg("scale"), py::arg("offset"), py::arg("bias"), py::arg("expand_codes") = false,
            py::arg("int8_activations") = false, py::arg("int16_activations") = false,
            py::arg("codes") = py::none(), py::arg("kd") = py::none(),
            py::arg("kdmin") = py::none(), py::arg("ksc") = py::none(), py::arg("km") = py::none(),
            py::arg("super_groups") = 1, py::arg("sc_signed") = false, py::arg("vnni_in_place") = false,
-           py::arg("iq4") = false, py::arg("d_scale") = 1.0)
+           py::arg("q4_values") = std::vector<int64_t>{}, py::arg("d_scale") = 1.0)
       .def("forward", &PackedLinear::forward, py::arg("x"), py::arg("norm_weight") = py::none(),
            py::arg("eps") = 0.0, py::arg("silu") = false, py::arg("residual") = py::none(),
            py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>())
