@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_blocks_ref import GRID_FORMATS, KParts, Reference, random_grid_blocks
-from test_gguf_formats import ROWS, kernel, reference_product
+from test_gguf_formats import assert_products_match, kernel
 
 from lmrpc.kernels import gguf_blocks, gguf_grids, native, packed_rows, packing
 from lmrpc.kernels.packing import Compute, PackedWeight
@@ -32,10 +32,10 @@ def reference_of(p: PackedWeight, values: np.ndarray) -> Reference:
     d32 = d.float().numpy() * np.float32(p.kscales.d_scale)  # [n, supers] (a power of two: exact)
     sc32 = sc.float().numpy()  # [n, groups]
     scale = np.repeat(d32, p.kscales.super_groups, axis=1) * sc32
-    codes = packing.codes_of(p)  # [n_pad, k_pad]: the values, or indices into the weight's table of them
+    held = packing.codes_of(p)  # [n_pad, k_pad]: the values, or indices into the weight's table of them
     if p.q4_values is not None:
-        codes = packing.table_values(codes, p.q4_values)
-    codes = codes.float().numpy()[: p.n, : p.k]
+        held = packing.table_values(held, p.q4_values)
+    codes = held.float().numpy()[: p.n, : p.k]
     assert np.array_equal(codes * np.repeat(scale, p.group, axis=1), values)
     return Reference(values, codes, scale, None, p.group, KParts(d32, sc32, None, None, p.kscales.super_groups))
 
@@ -63,25 +63,9 @@ def test_the_loaded_weight_is_ggufs_dequantize_to_the_bit(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", sorted(GRID_FORMATS))
 @pytest.mark.parametrize("compute", [Compute.F32, Compute.BF16], ids=["f32", "bf16"])
 def test_products_equal_the_reference_bitwise_for_every_row_count_and_split(fmt: str, compute: Compute) -> None:
-    bf16 = compute == Compute.BF16
-    exact = not (bf16 and native.load().native_bf16())  # AVX512-BF16 dot products round differently: checked apart
-    for n, k in ((64, 512), (100, 256)):
+    for n, k in ((64, 512), (100, 256)):  # (as test_gguf_formats: uneven row splits, padded tiles)
         p, values = load(fmt, n, k, seed=n)
-        lin = kernel(p, compute)
-        x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(k))
-        xin = x.bfloat16().float() if bf16 else x
-        expected = reference_product(reference_of(p, values), xin.numpy(), bf16)
-        if not exact:
-            torch.testing.assert_close(lin.forward(x), torch.from_numpy(expected), atol=1e-4, rtol=1e-4)
-            expected = lin.forward(x).numpy()
-        threads = torch.get_num_threads()
-        try:
-            for count in (1, threads):
-                torch.set_num_threads(count)
-                for m in ROWS:
-                    assert np.array_equal(lin.forward(x[:m]).numpy(), expected[:m]), (n, m, count)
-        finally:
-            torch.set_num_threads(threads)
+        assert_products_match(kernel(p, compute), reference_of(p, values), k, compute == Compute.BF16)
 
 
 def test_a_scale_no_code_layout_gives_exactly_is_refused_and_the_weight_served_dense() -> None:
