@@ -9,12 +9,12 @@ fp16 (d / 8 often would not be one); the power of two is KScales.d_scale, which 
 | ggml type | value (gguf's `dequantize`) | held as | d', sc | bits a weight (file) |
 | --- | --- | --- | --- | --- |
 | IQ2_XXS | d (0.5 + s) / 4 * grid * sign, grid: 8, 25, 43 | Q4, a table of 6 values | d / 8, 2s + 1 | 4.31 (2.06) |
-| IQ2_XS, IQ2_S | the same, sc per 16 weights | Q8 | d / 8, 2s + 1 | 8.6-8.8 (2.31-2.56) |
+| IQ2_XS, IQ2_S | the same, sc per 16 weights | Q8 | d / 8, 2s + 1 | 8.56 (2.31-2.56) |
 | IQ3_XXS | d (0.5 + s) / 2 * grid * sign, grid: 4, 12 .. 62 | Q4, a table of grid / 2 | d / 2, 2s + 1 | 4.31 (3.06) |
 | IQ3_S | d (1 + 2s) * grid * sign, grid: 1, 3, ..., 15 | Q4, a table of 16 values | d, 2s + 1 | 4.31 (3.44) |
 | IQ1_S | d (2s + 1) * (grid +- 1/8), grid: -1, 0, 1 | Q4, a table of 8 grid +- 1 | d / 8, 2s + 1 | 4.31 (1.56) |
-| IQ1_M | the same, sc per 16 weights | Q5 (signed) | d / 8, 2s + 1 | 5.8 (1.75) |
-| TQ1_0, TQ2_0 | d * q, q: -1, 0, 1 (TQ2_0: also 2) | Q3 | d, 1 | 3.6 (1.69-2.06) |
+| IQ1_M | the same, sc per 16 weights | Q5 (signed) | d / 8, 2s + 1 | 5.56 (1.75) |
+| TQ1_0, TQ2_0 | d * q, q: -1, 0, 1 (TQ2_0: also 2) | Q3 | d, 1 | 3.31 (1.69-2.06) |
 
 The formats with an sc per 32 weights take at most 16 distinct codes: held as 4-bit indices into a table of their
 values (packing.Q4_TABLES), which bfloat16 products look up as they do IQ4's (csrc's Q4Table); Q4's layout has no
