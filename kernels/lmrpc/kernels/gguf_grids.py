@@ -40,9 +40,9 @@ from lmrpc.kernels.packing import PackedWeight, WeightFormat
 
 # ggml type ids
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, TQ1_0, TQ2_0 = 16, 17, 18, 19, 21, 22, 29, 34, 35
-# the codes each layout holds (Q5: signed, each code + 16 in 5 bits)
-_RANGE = {WeightFormat.Q8: (-127, 127), WeightFormat.Q6: (-32, 31), WeightFormat.Q5: (-16, 15),
-          WeightFormat.Q3: (-4, 3)}
+# the codes each layout holds (Q5: signed, each code + 16 in 5 bits; Q4: indices into a table of int8 values)
+_RANGE = {WeightFormat.Q8: (-127, 127), WeightFormat.Q5: (-16, 15), WeightFormat.Q3: (-4, 3),
+          WeightFormat.Q4: (-128, 127)}
 
 
 class NotExact(ValueError):
@@ -102,6 +102,7 @@ GRIDS = {
                 lambda b: (_f16(b[..., 0:2]), (_u16(b[..., 34:50]) >> 12) & 7)),
     IQ1_M: Grid("iq1_m", 56, WeightFormat.Q5, 16, 3,
                 lambda b: (_iq1_m_d(b), _shifted(_u16(b[..., 48:56]), (0, 3, 6, 9), 7))),
+    # (no scale of their own: s = 0, so sc = 2s + 1 = 1)
     TQ1_0: Grid("tq1_0", 54, WeightFormat.Q3, 32, 0,
                 lambda b: (_f16(b[..., 52:54]), np.zeros((*b.shape[:-1], 8), np.uint8))),
     TQ2_0: Grid("tq2_0", 66, WeightFormat.Q3, 32, 0,
@@ -115,8 +116,7 @@ def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     2^-exponent: KScales.d_scale) and sc."""
     grid = GRIDS[ggml_type]
     d, s = grid.scales(b)  # [n, supers] (fp16 values), [n, supers, groups a super-block]
-    sc = np.ones_like(s, np.int32) if grid.label.startswith("tq") else 2 * s.astype(np.int32) + 1
-    sc = sc.reshape(n, -1)  # [n, groups]
+    sc = (2 * s.astype(np.int32) + 1).reshape(n, -1)  # [n, groups]
     d_scale = 2.0 ** -grid.exponent
     values = np.asarray(gguf.quants.dequantize(b.reshape(n, -1), gguf.GGMLQuantizationType(ggml_type)),
                         dtype=np.float32).reshape(n, k)
@@ -125,7 +125,7 @@ def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
                        grid.group, axis=1)  # [n, k]
     with np.errstate(invalid="ignore", divide="ignore"):  # (a d that is not finite: refused just below)
         codes = np.divide(values, factor, out=np.zeros_like(values), where=factor != 0)
-    low, high = _RANGE[grid.held] if grid.held != WeightFormat.Q4 else (-128, 127)
+    low, high = _RANGE[grid.held]
     if not (np.array_equal(codes, np.round(codes)) and codes.min(initial=0) >= low and codes.max(initial=0) <= high
             and np.array_equal(codes * factor, values)):
         raise NotExact(f"{grid.label}: values that are not {grid.held.name} codes times d * sc * {d_scale}")

@@ -373,9 +373,14 @@ void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
     work += jobs[j].args.m * w.n_pad * w.k_pad;
     one_row = one_row && jobs[j].args.m == 1;
   }
-  std::vector<Q4Table> tables;  // each job's (a weight's codes may index a table of its own)
-  tables.reserve(count);
-  for (int64_t j = 0; j < count; ++j) tables.emplace_back(*jobs[j].w);
+  static const Q4Table linear[2] = {Q4Table(false), Q4Table(true)};  // codes standing for q, q - 8
+  // Weights whose codes index values of their own (IQ4, grid formats) get their table here, per call; other calls
+  // (most, and every one of the usual formats' decode steps) build and allocate nothing.
+  std::vector<Q4Table> own;
+  if (std::any_of(jobs, jobs + count, [](const LinearJob& job) { return job.w->q4_table; })) {
+    own.reserve(count);
+    for (int64_t j = 0; j < count; ++j) own.emplace_back(*jobs[j].w);
+  }
   // Work smaller than a thread hand-off costs (a decode step's LoRA products: a few rows of rank-16 matrices) stays
   // on the calling thread. Which thread computes a block never changes its bits.
   const int threads =
@@ -392,7 +397,7 @@ void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
     const int64_t j = std::upper_bound(first, first + count + 1, b) - first - 1;
     const PackedWeight& w = *jobs[j].w;
     const JobItems& it = job_items_of[j];
-    const Q4Table& table = tables[j];
+    const Q4Table& table = w.q4_table ? own[j] : linear[w.q4_signed ? 1 : 0];
     const int64_t at = b - first[j], block = at / it.splits, chunk = at % it.splits;
     const RowRange rr{chunk * it.row_chunk, std::min<int64_t>(jobs[j].args.m, (chunk + 1) * it.row_chunk)};
     const int64_t job_pairs = w.n_pad / 32, p = block * kMaxPairs;
