@@ -73,3 +73,14 @@ def test_a_scale_no_code_layout_gives_exactly_is_refused_and_the_weight_served_d
     raw[5, 0, 0:2] = np.array([np.inf], dtype=np.float16).view(np.uint8)  # d = inf: inf * 0 is not a code times d
     with pytest.raises(gguf_grids.NotExact, match="iq2_xxs"):
         gguf_blocks.pack_gguf(int(GRID_FORMATS["iq2_xxs"][0]), raw.reshape(32, -1), 32, 256)
+
+
+def test_codes_that_do_not_give_ggufs_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first row of every tensor is checked against gguf's dequantize: a grid read in another order than the
+    file's (as a block layout grid_codes does not know would be) is refused, not served wrong."""
+    table, ksigns = gguf_grids._tables(int(GRID_FORMATS["iq3_s"][0]))
+    shuffled = table.reshape(-1, 4).flip(0).reshape(-1).contiguous()
+    monkeypatch.setattr(gguf_grids, "_tables", lambda ggml_type: (shuffled, ksigns))
+    raw = random_grid_blocks("iq3_s", 32, 256, seed=4)
+    with pytest.raises(gguf_grids.NotExact, match="iq3_s: codes that do not give gguf's values"):
+        gguf_blocks.pack_gguf(int(GRID_FORMATS["iq3_s"][0]), raw, 32, 256)

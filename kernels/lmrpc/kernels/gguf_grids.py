@@ -20,14 +20,19 @@ The formats with an sc per 32 weights take at most 16 distinct codes: held as 4-
 values (packing.Q4_TABLES), which bfloat16 products look up as they do IQ4's (csrc's Q4Table); Q4's layout has no
 groups of 16, so IQ2_XS, IQ2_S and IQ1_M keep their codes themselves.
 
-The codes are read back from gguf's own `dequantize` (values / (d' * sc): no grid tables of ours), and a tensor is held
-this way only if every code comes out an integer in its layout's range and code * (d' * sc) gives every value to the
-bit (else NotExact: the loader serves it dense, as before; a d that is not finite, say). They take more bytes than
-the file (1.3-4x), a third to a half of bf16's: exact products from the kernels the other formats use.
+The codes are read from the blocks' bits by csrc/grid_codes.cpp, with the gguf package's own grid tables scaled to code
+units (no tables of ours): a few hundred byte operations a block, where gguf's float `dequantize` and a division took
+seconds per large tensor. Every value is code * d' * sc exactly (an fp16 times a power of two, a 5-bit integer and
+a grid value: exact in float32, as gguf computes it). A tensor is held this way only if its d are finite, its codes
+lie in the layout's range, and its first row gives gguf's `dequantize` of it to the bit (a guard against a block
+layout grid_codes does not read; the tests compare every row); else NotExact, and the loader serves it dense, as
+before. They take more bytes than the file (1.3-4x), a third to a half of bf16's: exact products from the kernels the
+other formats use.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +40,7 @@ import gguf
 import numpy as np
 import torch
 
-from lmrpc.kernels import packing
+from lmrpc.kernels import native, packing
 from lmrpc.kernels.packing import PackedWeight, WeightFormat
 
 # ggml type ids
@@ -58,6 +63,7 @@ class Grid:
     held: WeightFormat  # the code layout the values are held in
     group: int  # weights per sc (16 or 32)
     exponent: int  # d' = d * 2^-exponent
+    unit: float  # a grid value's code: IQ3_XXS's grid / 2, IQ1's 8 grid (+-1 for the delta, added by grid_codes)
     scales: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # blocks [..., bytes] -> d [...], s [..., groups]
 
 
@@ -92,20 +98,20 @@ def _shifted(words: np.ndarray, shifts: tuple[int, ...], mask: int) -> np.ndarra
 
 
 GRIDS = {
-    IQ2_XXS: Grid("iq2_xxs", 66, WeightFormat.Q4, 32, 3,
+    IQ2_XXS: Grid("iq2_xxs", 66, WeightFormat.Q4, 32, 3, 1,
                   lambda b: (_f16(b[..., 0:2]), _u32(b[..., 2:66]).reshape(*b.shape[:-1], 8, 2)[..., 1] >> 28)),
-    IQ2_XS: Grid("iq2_xs", 74, WeightFormat.Q8, 16, 3, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 66:74]))),
-    IQ2_S: Grid("iq2_s", 82, WeightFormat.Q8, 16, 3, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 74:82]))),
-    IQ3_XXS: Grid("iq3_xxs", 98, WeightFormat.Q4, 32, 1, lambda b: (_f16(b[..., 0:2]), _u32(b[..., 66:98]) >> 28)),
-    IQ3_S: Grid("iq3_s", 110, WeightFormat.Q4, 32, 0, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 106:110]))),
-    IQ1_S: Grid("iq1_s", 50, WeightFormat.Q4, 32, 3,
+    IQ2_XS: Grid("iq2_xs", 74, WeightFormat.Q8, 16, 3, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 66:74]))),
+    IQ2_S: Grid("iq2_s", 82, WeightFormat.Q8, 16, 3, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 74:82]))),
+    IQ3_XXS: Grid("iq3_xxs", 98, WeightFormat.Q4, 32, 1, 0.5, lambda b: (_f16(b[..., 0:2]), _u32(b[..., 66:98]) >> 28)),
+    IQ3_S: Grid("iq3_s", 110, WeightFormat.Q4, 32, 0, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 106:110]))),
+    IQ1_S: Grid("iq1_s", 50, WeightFormat.Q4, 32, 3, 8,
                 lambda b: (_f16(b[..., 0:2]), (_u16(b[..., 34:50]) >> 12) & 7)),
-    IQ1_M: Grid("iq1_m", 56, WeightFormat.Q5, 16, 3,
+    IQ1_M: Grid("iq1_m", 56, WeightFormat.Q5, 16, 3, 8,
                 lambda b: (_iq1_m_d(b), _shifted(_u16(b[..., 48:56]), (0, 3, 6, 9), 7))),
     # (no scale of their own: s = 0, so sc = 2s + 1 = 1)
-    TQ1_0: Grid("tq1_0", 54, WeightFormat.Q3, 32, 0,
+    TQ1_0: Grid("tq1_0", 54, WeightFormat.Q3, 32, 0, 1,
                 lambda b: (_f16(b[..., 52:54]), np.zeros((*b.shape[:-1], 8), np.uint8))),
-    TQ2_0: Grid("tq2_0", 66, WeightFormat.Q3, 32, 0,
+    TQ2_0: Grid("tq2_0", 66, WeightFormat.Q3, 32, 0, 1,
                 lambda b: (_f16(b[..., 64:66]), np.zeros((*b.shape[:-1], 8), np.uint8))),
 }
 BLOCK = {t: (256, g.block_bytes) for t, g in GRIDS.items()}  # per ggml type: (elements, bytes) of a block
@@ -116,28 +122,51 @@ def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     2^-exponent: KScales.d_scale) and sc."""
     grid = GRIDS[ggml_type]
     d, s = grid.scales(b)  # [n, supers] (fp16 values), [n, supers, groups a super-block]
+    if not np.isfinite(d).all():
+        raise NotExact(f"{grid.label}: a d that is not finite")
     sc = (2 * s.astype(np.int32) + 1).reshape(n, -1)  # [n, groups]
     d_scale = 2.0 ** -grid.exponent
-    values = np.asarray(gguf.quants.dequantize(b.reshape(n, -1), gguf.GGMLQuantizationType(ggml_type)),
-                        dtype=np.float32).reshape(n, k)
-    # each value's d * d_scale * sc: exact in float32 (an fp16 times a power of two times a 5-bit integer)
-    factor = np.repeat(np.repeat(d, 256 // grid.group, axis=1) * np.float32(d_scale) * sc.astype(np.float32),
-                       grid.group, axis=1)  # [n, k]
-    with np.errstate(invalid="ignore", divide="ignore"):  # (a d that is not finite: refused just below)
-        codes = np.divide(values, factor, out=np.zeros_like(values), where=factor != 0)
-    low, high = _RANGE[grid.held]
-    if not (np.array_equal(codes, np.round(codes)) and codes.min(initial=0) >= low and codes.max(initial=0) <= high
-            and np.array_equal(codes * factor, values)):
-        raise NotExact(f"{grid.label}: values that are not {grid.held.name} codes times d * sc * {d_scale}")
+    table, ksigns = _tables(ggml_type)
+    blocks = torch.from_numpy(np.ascontiguousarray(b).reshape(-1, grid.block_bytes))
+    codes = native.load().grid_codes(blocks, ggml_type, table, ksigns).reshape(n, k)  # int8 [n, k]
+    _check_first_row(ggml_type, b, codes, d * np.float32(d_scale), sc)
     ks = packing.pack_kscales(torch.from_numpy(d), None, torch.from_numpy(sc.astype(np.uint8)), None,
                               256 // grid.group, d_scale)
     if grid.held == WeightFormat.Q4:  # 4-bit indices into the format's table of values (packing.Q4_TABLES)
-        lookup = np.full(256, -1, np.int16)  # code + 128 -> its first index in the table, or -1
+        lookup = np.full(256, 255, np.uint8)  # a code's byte -> its first index in the table, or 255
         for i, v in reversed(list(enumerate(packing.Q4_TABLES[grid.label]))):
-            lookup[v + 128] = i
-        index = lookup[codes.astype(np.int16) + 128]  # [n, k]
-        if (index < 0).any():
+            lookup[v & 255] = i
+        index = np.take(lookup, codes.numpy().view(np.uint8))  # [n, k]
+        if (index == 255).any():
             raise NotExact(f"{grid.label}: codes outside its table")
-        return packing.pack_k(WeightFormat.Q4, torch.from_numpy(index.astype(np.uint8)), grid.group, ks, grid.label)
-    q = torch.from_numpy(codes.astype(np.int8))  # [n, k]
-    return packing.pack_k(grid.held, q, grid.group, ks, grid.label, signed=grid.held == WeightFormat.Q5)
+        return packing.pack_k(WeightFormat.Q4, torch.from_numpy(index), grid.group, ks, grid.label)
+    low, high = _RANGE[grid.held]
+    if int(codes.min()) < low or int(codes.max()) > high:
+        raise NotExact(f"{grid.label}: codes outside {grid.held.name}'s range")
+    return packing.pack_k(grid.held, codes, grid.group, ks, grid.label, signed=grid.held == WeightFormat.Q5)
+
+
+@functools.cache
+def _tables(ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A format's grid in code units (int8 [entries * width], from the gguf package's own table; empty for TQ) and
+    the 128 sign bytes by 7-bit index that IQ2_XXS, IQ2_XS and IQ3_XXS use."""
+    quant = getattr(gguf.quants, gguf.GGMLQuantizationType(ggml_type).name)
+    ksigns = torch.frombuffer(bytearray(gguf.quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+    if quant.grid_hex is None:
+        return torch.empty(0, dtype=torch.int8), ksigns
+    quant.init_grid()
+    values = np.asarray(quant.grid, dtype=np.float32).reshape(-1) * np.float32(GRIDS[ggml_type].unit)
+    codes = values.astype(np.int8)
+    assert np.array_equal(codes, values), "a grid value that is not an integer in code units"
+    return torch.from_numpy(codes), ksigns
+
+
+def _check_first_row(ggml_type: int, b: np.ndarray, codes: torch.Tensor, d: np.ndarray, sc: np.ndarray) -> None:
+    """The first row's codes times d' * sc must give gguf's own dequantize of it to the bit: a guard against a block
+    layout that differs from the one grid_codes reads (the tests compare every row)."""
+    grid = GRIDS[ggml_type]
+    values = np.asarray(gguf.quants.dequantize(b[0].reshape(-1), gguf.GGMLQuantizationType(ggml_type)),
+                        dtype=np.float32)  # [k]
+    factor = np.repeat(np.repeat(d[0], 256 // grid.group) * sc[0].astype(np.float32), grid.group)  # [k]
+    if not np.array_equal(codes[0].numpy().astype(np.float32) * factor, values):
+        raise NotExact(f"{grid.label}: codes that do not give gguf's values")

@@ -31,10 +31,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = ("module.cpp", "linear.cpp", "linear_products.cpp", "linear_int8.cpp", "linear_int16.cpp",
-           "attention.cpp", "attention_few.cpp", "rope.cpp")
+           "attention.cpp", "attention_few.cpp", "rope.cpp", "grid_codes.cpp")
 HEADERS = ("common.h", "linear.h", "linear_impl.h", "linear_codes.h", "linear_kernels.h", "linear_kernels_codes.h",
            "linear_kernels_avx2.h", "linear_kscales.h", "linear_int16_fold.h", "attention.h", "attention_avx2.h",
-           "attention_cache.h", "py_linear.h", "py_attention.h", "py_stack.h")
+           "attention_cache.h", "py_linear.h", "py_attention.h", "py_stack.h", "grid_codes.h")
 CSRC = Path(__file__).parent / "csrc"
 
 

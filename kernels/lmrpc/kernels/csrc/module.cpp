@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
+#include "grid_codes.h"
 #include "py_attention.h"
 #include "py_linear.h"
 #include "py_stack.h"
@@ -65,6 +66,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("keys"), py::arg("values"),
         py::arg("block_table"), py::arg("token_seq"), py::arg("token_ctx"), py::arg("scale"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "grid_codes",
+      [](const at::Tensor& blocks, int64_t ggml_type, const at::Tensor& grid, const at::Tensor& ksigns) {
+        const int64_t bytes = lmrpc::grid_block_bytes(ggml_type);
+        TORCH_CHECK(bytes > 0, "grid_codes: not a grid or ternary ggml type: ", ggml_type);
+        TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.size(1) == bytes && blocks.is_contiguous(),
+                    "grid_codes: blocks must be contiguous uint8 [blocks, ", bytes, "]");
+        TORCH_CHECK(grid.dtype() == at::kChar && grid.is_contiguous() && grid.numel() == lmrpc::grid_size(ggml_type),
+                    "grid_codes: the grid must be ", lmrpc::grid_size(ggml_type), " contiguous int8");
+        TORCH_CHECK(ksigns.dtype() == at::kByte && ksigns.numel() == 128 && ksigns.is_contiguous(),
+                    "grid_codes: ksigns must be 128 contiguous uint8");
+        at::Tensor out = at::empty({blocks.size(0), 256}, at::kChar);
+        {
+          py::gil_scoped_release release;
+          lmrpc::grid_codes(blocks.data_ptr<uint8_t>(), blocks.size(0), ggml_type, grid.data_ptr<int8_t>(),
+                            ksigns.data_ptr<uint8_t>(), out.data_ptr<int8_t>());
+        }
+        return out;
+      },
+      py::arg("blocks"), py::arg("ggml_type"), py::arg("grid"), py::arg("ksigns"),
+      "GGUF grid or ternary blocks [n, bytes] -> int8 codes [n, 256] in the grid's units (gguf_grids.py)");
   m.def("attention_route", &attention_route, py::arg("t"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
         py::arg("bf16"), py::arg("threads"));
 }
