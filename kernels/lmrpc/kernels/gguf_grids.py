@@ -127,23 +127,35 @@ def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
     sc = (2 * s.astype(np.int32) + 1).reshape(n, -1)  # [n, groups]
     d_scale = 2.0 ** -grid.exponent
     table, ksigns = _tables(ggml_type)
-    blocks = torch.from_numpy(np.ascontiguousarray(b).reshape(-1, grid.block_bytes))
-    codes = native.load().grid_codes(blocks, ggml_type, table, ksigns).reshape(n, k)  # int8 [n, k]
-    _check_first_row(ggml_type, b, codes, d * np.float32(d_scale), sc)
+    # (a copy: the chunk may be a read-only view of the mapped file, which torch will not wrap)
+    blocks = torch.from_numpy(b.reshape(-1, grid.block_bytes).copy())  # [n * k / 256, bytes]
     ks = packing.pack_kscales(torch.from_numpy(d), None, torch.from_numpy(sc.astype(np.uint8)), None,
                               256 // grid.group, d_scale)
     if grid.held == WeightFormat.Q4:  # 4-bit indices into the format's table of values (packing.Q4_TABLES)
-        lookup = np.full(256, 255, np.uint8)  # a code's byte -> its first index in the table, or 255
-        for i, v in reversed(list(enumerate(packing.Q4_TABLES[grid.label]))):
-            lookup[v & 255] = i
-        index = np.take(lookup, codes.numpy().view(np.uint8))  # [n, k]
-        if (index == 255).any():
+        pairs, missing = native.load().grid_q4_pairs(blocks, ggml_type, table, ksigns, _lookup(grid.label))
+        if missing:
             raise NotExact(f"{grid.label}: codes outside its table")
-        return packing.pack_k(WeightFormat.Q4, torch.from_numpy(index), grid.group, ks, grid.label)
+        first = pairs[: k // 256].reshape(-1, 8, 1, 2)  # row 0's bytes [groups, c, 1, e]
+        first_index = torch.cat([first & 15, first >> 4], dim=2).reshape(1, k)  # code 4c + 2 nibble + e
+        first_codes = packing.table_values(first_index, packing.Q4_TABLES[grid.label])
+        _check_first_row(ggml_type, b, first_codes, d * np.float32(d_scale), sc)
+        data = packing.q4_tiles(pairs.reshape(n, -1, 8, 2), signed=False)
+        return packing.pack_k_tiled(WeightFormat.Q4, data, n, k, grid.group, ks, grid.label)
+    codes = native.load().grid_codes(blocks, ggml_type, table, ksigns).reshape(n, k)  # int8 [n, k]
+    _check_first_row(ggml_type, b, codes[:1], d * np.float32(d_scale), sc)
     low, high = _RANGE[grid.held]
     if int(codes.min()) < low or int(codes.max()) > high:
         raise NotExact(f"{grid.label}: codes outside {grid.held.name}'s range")
     return packing.pack_k(grid.held, codes, grid.group, ks, grid.label, signed=grid.held == WeightFormat.Q5)
+
+
+@functools.cache
+def _lookup(label: str) -> torch.Tensor:
+    """A code's byte -> its first index in the format's table of 16 values (packing.Q4_TABLES), or 255."""
+    lookup = torch.full((256,), 255, dtype=torch.uint8)
+    for i, v in reversed(list(enumerate(packing.Q4_TABLES[label]))):
+        lookup[v & 255] = i
+    return lookup
 
 
 @functools.cache
@@ -162,8 +174,8 @@ def _tables(ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_first_row(ggml_type: int, b: np.ndarray, codes: torch.Tensor, d: np.ndarray, sc: np.ndarray) -> None:
-    """The first row's codes times d' * sc must give gguf's own dequantize of it to the bit: a guard against a block
-    layout that differs from the one grid_codes reads (the tests compare every row)."""
+    """The first row's codes ([1, k]) times d' * sc must give gguf's own dequantize of it to the bit: a guard against a
+    block layout that differs from the one grid_codes reads (the tests compare every row)."""
     grid = GRIDS[ggml_type]
     values = np.asarray(gguf.quants.dequantize(b[0].reshape(-1), gguf.GGMLQuantizationType(ggml_type)),
                         dtype=np.float32)  # [k]

@@ -180,4 +180,30 @@ void grid_codes(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_
   for (int64_t i = 0; i < n; ++i) f.decode(blocks + i * f.bytes, t, out + i * 256);
 }
 
+int64_t grid_q4_pairs(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_t* grid, const uint8_t* ksigns,
+                      const uint8_t* lookup, uint8_t* out) {
+  const Format f = format_of(ggml_type);
+  const Tables t{grid, ksigns};
+  int64_t missing = 0;
+#pragma omp parallel for schedule(static) reduction(+ : missing) if (n >= 1024)
+  for (int64_t i = 0; i < n; ++i) {
+    int8_t codes[256];
+    f.decode(blocks + i * f.bytes, t, codes);
+    uint8_t index[256];
+    for (int j = 0; j < 256; ++j) {
+      index[j] = lookup[static_cast<uint8_t>(codes[j])];
+      missing += index[j] > 15;
+    }
+    // per group of 32 (8 chunks of 4 codes), byte (c, e): code 4c + e in the low nibble, 4c + 2 + e in the high one
+    uint8_t* o = out + i * 128;
+    for (int g = 0; g < 8; ++g)
+      for (int c = 0; c < 8; ++c)
+        for (int e = 0; e < 2; ++e) {
+          const uint8_t* q = index + 32 * g + 4 * c + e;
+          o[16 * g + 2 * c + e] = static_cast<uint8_t>((q[0] & 15) | (q[2] << 4));
+        }
+  }
+  return missing;
+}
+
 }  // namespace lmrpc

@@ -17,4 +17,11 @@ int64_t grid_size(int64_t ggml_type);
 void grid_codes(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_t* grid, const uint8_t* ksigns,
                 int8_t* out);
 
+// The same codes as 4-bit indices, through `lookup` [256] (a code's byte -> its index in the weight's table of 16
+// values, or above 15 where the table lacks it), as the Q4 layout's code pairs: out [n, 128], per group of 32 byte
+// (c, e) of 16 holding index 4c + e in its low nibble and 4c + 2 + e in its high one (packing.code_pairs). Returns
+// how many codes the table lacks (0, or the weight cannot be held so).
+int64_t grid_q4_pairs(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_t* grid, const uint8_t* ksigns,
+                      const uint8_t* lookup, uint8_t* out);
+
 }  // namespace lmrpc

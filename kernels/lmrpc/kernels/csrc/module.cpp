@@ -12,6 +12,22 @@
 namespace py = pybind11;
 using namespace lmrpc_py;  // NOLINT: the bindings name the classes and functions they register
 
+namespace {
+
+// grid_codes' and grid_q4_pairs' shared arguments, checked before a kernel reads them.
+void check_grid_args(const at::Tensor& blocks, int64_t ggml_type, const at::Tensor& grid, const at::Tensor& ksigns) {
+  const int64_t bytes = lmrpc::grid_block_bytes(ggml_type);
+  TORCH_CHECK(bytes > 0, "not a grid or ternary ggml type: ", ggml_type);
+  TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.size(1) == bytes && blocks.is_contiguous(),
+              "blocks must be contiguous uint8 [blocks, ", bytes, "]");
+  TORCH_CHECK(grid.dtype() == at::kChar && grid.is_contiguous() && grid.numel() == lmrpc::grid_size(ggml_type),
+              "the grid must be ", lmrpc::grid_size(ggml_type), " contiguous int8");
+  TORCH_CHECK(ksigns.dtype() == at::kByte && ksigns.numel() == 128 && ksigns.is_contiguous(),
+              "ksigns must be 128 contiguous uint8");
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lmrpc's CPU kernels: row-invariant packed products, paged attention, RoPE with cache writes";
   m.def("native_bf16", &lmrpc::native_bf16, "whether products use AVX512-BF16 instructions");
@@ -69,24 +85,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "grid_codes",
       [](const at::Tensor& blocks, int64_t ggml_type, const at::Tensor& grid, const at::Tensor& ksigns) {
-        const int64_t bytes = lmrpc::grid_block_bytes(ggml_type);
-        TORCH_CHECK(bytes > 0, "grid_codes: not a grid or ternary ggml type: ", ggml_type);
-        TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.size(1) == bytes && blocks.is_contiguous(),
-                    "grid_codes: blocks must be contiguous uint8 [blocks, ", bytes, "]");
-        TORCH_CHECK(grid.dtype() == at::kChar && grid.is_contiguous() && grid.numel() == lmrpc::grid_size(ggml_type),
-                    "grid_codes: the grid must be ", lmrpc::grid_size(ggml_type), " contiguous int8");
-        TORCH_CHECK(ksigns.dtype() == at::kByte && ksigns.numel() == 128 && ksigns.is_contiguous(),
-                    "grid_codes: ksigns must be 128 contiguous uint8");
+        check_grid_args(blocks, ggml_type, grid, ksigns);
         at::Tensor out = at::empty({blocks.size(0), 256}, at::kChar);
-        {
-          py::gil_scoped_release release;
-          lmrpc::grid_codes(blocks.data_ptr<uint8_t>(), blocks.size(0), ggml_type, grid.data_ptr<int8_t>(),
-                            ksigns.data_ptr<uint8_t>(), out.data_ptr<int8_t>());
-        }
+        py::gil_scoped_release release;
+        lmrpc::grid_codes(blocks.data_ptr<uint8_t>(), blocks.size(0), ggml_type, grid.data_ptr<int8_t>(),
+                          ksigns.data_ptr<uint8_t>(), out.data_ptr<int8_t>());
         return out;
       },
       py::arg("blocks"), py::arg("ggml_type"), py::arg("grid"), py::arg("ksigns"),
       "GGUF grid or ternary blocks [n, bytes] -> int8 codes [n, 256] in the grid's units (gguf_grids.py)");
+  m.def(
+      "grid_q4_pairs",
+      [](const at::Tensor& blocks, int64_t ggml_type, const at::Tensor& grid, const at::Tensor& ksigns,
+         const at::Tensor& lookup) {
+        check_grid_args(blocks, ggml_type, grid, ksigns);
+        TORCH_CHECK(lookup.dtype() == at::kByte && lookup.numel() == 256 && lookup.is_contiguous(),
+                    "grid_q4_pairs: lookup must be 256 contiguous uint8");
+        at::Tensor out = at::empty({blocks.size(0), 128}, at::kByte);
+        int64_t missing = 0;
+        {
+          py::gil_scoped_release release;
+          missing = lmrpc::grid_q4_pairs(blocks.data_ptr<uint8_t>(), blocks.size(0), ggml_type,
+                                         grid.data_ptr<int8_t>(), ksigns.data_ptr<uint8_t>(),
+                                         lookup.data_ptr<uint8_t>(), out.data_ptr<uint8_t>());
+        }
+        return std::make_tuple(out, missing);
+      },
+      py::arg("blocks"), py::arg("ggml_type"), py::arg("grid"), py::arg("ksigns"), py::arg("lookup"),
+      "GGUF grid blocks [n, bytes] -> their codes' indices in a table of 16 (`lookup`: code byte -> index) as the "
+      "Q4 layout's code pairs [n, 128], and how many codes the table lacks");
   m.def("attention_route", &attention_route, py::arg("t"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
         py::arg("bf16"), py::arg("threads"));
 }
