@@ -84,3 +84,21 @@ def test_codes_that_do_not_give_ggufs_values_are_refused(monkeypatch: pytest.Mon
     raw = random_grid_blocks("iq3_s", 32, 256, seed=4)
     with pytest.raises(gguf_grids.NotExact, match="iq3_s: codes that do not give gguf's values"):
         gguf_blocks.pack_gguf(int(GRID_FORMATS["iq3_s"][0]), raw, 32, 256)
+
+
+def test_the_decoder_refuses_arguments_it_cannot_read() -> None:
+    """csrc/grid_codes.cpp reads blocks of the type's width and a grid of the type's size: anything else is an error
+    at the binding, before a byte is read."""
+    ops = native.load()
+    qtype = int(GRID_FORMATS["iq3_s"][0])
+    table, ksigns = gguf_grids._tables(qtype)
+    blocks = torch.from_numpy(random_grid_blocks("iq3_s", 2, 256, seed=5).copy())  # [2, 110]
+    assert ops.grid_codes(blocks, qtype, table, ksigns).shape == (2, 256)
+    with pytest.raises(RuntimeError, match="not a grid or ternary ggml type: 12"):
+        ops.grid_codes(blocks, 12, table, ksigns)  # Q4_K
+    with pytest.raises(RuntimeError, match=r"blocks must be contiguous uint8 \[blocks, 110\]"):
+        ops.grid_codes(blocks[:, :100].contiguous(), qtype, table, ksigns)
+    with pytest.raises(RuntimeError, match="the grid must be 2048 contiguous int8"):
+        ops.grid_codes(blocks, qtype, table[:100], ksigns)
+    with pytest.raises(RuntimeError, match="lookup must be 256 contiguous uint8"):
+        ops.grid_q4_pairs(blocks, qtype, table, ksigns, torch.zeros(16, dtype=torch.uint8))
