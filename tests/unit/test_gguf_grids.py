@@ -102,3 +102,13 @@ def test_the_decoder_refuses_arguments_it_cannot_read() -> None:
         ops.grid_codes(blocks, qtype, table[:100], ksigns)
     with pytest.raises(RuntimeError, match="lookup must be 256 contiguous uint8"):
         ops.grid_q4_pairs(blocks, qtype, table, ksigns, torch.zeros(16, dtype=torch.uint8))
+
+
+def test_without_the_native_decoder_a_grid_tensor_is_left_to_be_served_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the native kernels do not build, pack refuses with DecoderUnavailable (a NotExact: the loader reads
+    the tensor through gguf's dequantize instead), never a half-built weight."""
+    monkeypatch.setattr(gguf_grids.native, "available", lambda: False)
+    raw = random_grid_blocks("iq2_xxs", 32, 256, seed=6)
+    with pytest.raises(gguf_grids.DecoderUnavailable, match="iq2_xxs: the native kernels that read its codes"):
+        gguf_blocks.pack_gguf(int(GRID_FORMATS["iq2_xxs"][0]), raw, 32, 256)
+    assert issubclass(gguf_grids.DecoderUnavailable, gguf_grids.NotExact)

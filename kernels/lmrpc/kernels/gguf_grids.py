@@ -51,7 +51,12 @@ _RANGE = {WeightFormat.Q8: (-127, 127), WeightFormat.Q5: (-16, 15), WeightFormat
 
 
 class NotExact(ValueError):
-    """A tensor whose values are not all its layout's integer codes times d' * sc (a d that is not finite, say)."""
+    """A tensor not held in its layout's codes: values that are not all integer codes times d' * sc (a d that is not
+    finite, say), or no native decoder here to read the codes (DecoderUnavailable). The loader serves it dense."""
+
+
+class DecoderUnavailable(NotExact):
+    """The native kernels, whose grid_codes reads the codes, do not build here (a machine without a compiler)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,8 @@ def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
         raise NotExact(f"{grid.label}: a d that is not finite")
     sc = (2 * s.astype(np.int32) + 1).reshape(n, -1)  # [n, groups]
     d_scale = 2.0 ** -grid.exponent
+    if not native.available():
+        raise DecoderUnavailable(f"{grid.label}: the native kernels that read its codes are unavailable here")
     table, ksigns = _tables(ggml_type)
     # (a copy: the chunk may be a read-only view of the mapped file, which torch will not wrap)
     blocks = torch.from_numpy(b.reshape(-1, grid.block_bytes).copy())  # [n * k / 256, bytes]

@@ -142,6 +142,7 @@ def _instructions(module: ModuleType) -> str:
     return "AVX2" if module.native_avx2() else "portable"
 
 
+@functools.cache  # (a failed build is not tried again for every caller: a GGUF's every grid tensor asks)
 def available() -> bool:
     try:
         load()
