@@ -45,9 +45,9 @@ from lmrpc.kernels.packing import PackedWeight, WeightFormat
 
 # ggml type ids
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, TQ1_0, TQ2_0 = 16, 17, 18, 19, 21, 22, 29, 34, 35
-# the codes each layout holds (Q5: signed, each code + 16 in 5 bits; Q4: indices into a table of int8 values)
-_RANGE = {WeightFormat.Q8: (-127, 127), WeightFormat.Q5: (-16, 15), WeightFormat.Q3: (-4, 3),
-          WeightFormat.Q4: (-128, 127)}
+# the codes each layout holds as themselves (Q5: signed, each code + 16 in 5 bits; Q4 holds indices into a table of
+# the codes instead: grid_q4_pairs counts the codes its table lacks)
+_RANGE = {WeightFormat.Q8: (-127, 127), WeightFormat.Q5: (-16, 15), WeightFormat.Q3: (-4, 3)}
 
 
 class NotExact(ValueError):
