@@ -86,10 +86,13 @@ QUANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "IQ3_M": ("IQ3_M", ()),  # on request: the grid formats (IQ3_S, with Q4_K beside it), no importance matrix
     "IQ3_XXS": ("IQ3_XXS", ()),  # this and the IQ1 and IQ2 types: with a uniform importance matrix (uniform_imatrix)
     "IQ2_XXS": ("IQ2_XXS", ()),
+    "IQ2_XS": ("IQ2_XS", ()),  # IQ2_XS and IQ2_M (IQ2_S beside others): grid formats with a scale per 16 weights
+    "IQ2_M": ("IQ2_M", ()),
     "IQ1_M": ("IQ1_M", ()),
 }
 DEFAULT_TYPES = ("Q4_0-pure", "Q4_K_M", "Q8_0")
-NEEDS_IMATRIX = frozenset({"IQ3_XXS", "IQ2_XXS", "IQ1_M"})  # llama-quantize refuses these without one
+# llama-quantize refuses these without an importance matrix
+NEEDS_IMATRIX = frozenset({"IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ1_M"})
 
 
 # ---- where things are ------------------------------------------------------------------------------------------

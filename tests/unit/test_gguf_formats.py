@@ -89,7 +89,7 @@ def kernel(p: PackedWeight, compute: Compute) -> Any:
                                    "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8,
                                    "d_scale": ks.d_scale}
     return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
-                                      p.offset, None, q4_values=list(p.q4_values or ()), **extra)
+                                      p.offset, None, code_values=list(p.code_values or ()), **extra)
 
 
 def load(fmt: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, Reference]:

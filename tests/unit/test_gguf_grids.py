@@ -12,7 +12,7 @@ from gguf_blocks_ref import GRID_FORMATS, KParts, Reference, random_grid_blocks
 from test_gguf_formats import assert_products_match, kernel
 
 from lmrpc.kernels import gguf_blocks, gguf_grids, native, packed_rows, packing
-from lmrpc.kernels.packing import Compute, PackedWeight
+from lmrpc.kernels.packing import Compute, PackedWeight, WeightFormat
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
 
@@ -32,10 +32,7 @@ def reference_of(p: PackedWeight, values: np.ndarray) -> Reference:
     d32 = d.float().numpy() * np.float32(p.kscales.d_scale)  # [n, supers] (a power of two: exact)
     sc32 = sc.float().numpy()  # [n, groups]
     scale = np.repeat(d32, p.kscales.super_groups, axis=1) * sc32
-    held = packing.codes_of(p)  # [n_pad, k_pad]: the values, or indices into the weight's table of them
-    if p.q4_values is not None:
-        held = packing.table_values(held, p.q4_values)
-    codes = held.float().numpy()[: p.n, : p.k]
+    codes = packing.values_of(p).float().numpy()  # [n, k]: the codes, or the values of a table they index
     assert np.array_equal(codes * np.repeat(scale, p.group, axis=1), values)
     return Reference(values, codes, scale, None, p.group, KParts(d32, sc32, None, None, p.kscales.super_groups))
 
@@ -45,8 +42,11 @@ def test_the_loaded_weight_is_ggufs_dequantize_to_the_bit(fmt: str) -> None:
     n, k = 72, 512
     p, values = load(fmt, n, k)
     assert p.label == fmt
-    # a scale per 32 weights: 4-bit indices into a table of the values (as IQ4's); per 16: the codes themselves
-    assert (p.q4_values is not None) == (fmt in ("iq2_xxs", "iq3_xxs", "iq3_s", "iq1_s"))
+    # indices into a table of the values (as IQ4's): 4-bit with a scale per 32 weights, 3-bit per 16; TQ: the codes
+    assert (p.code_values is not None) == (fmt not in ("tq1_0", "tq2_0"))
+    assert p.format == (WeightFormat.Q4 if p.group == 32 and p.code_values is not None else WeightFormat.Q3)
+    # bits a weight held (codes, d per 256, sc per group): Q4 4 + 1/16 + 1/4, Q3 3 + 1/16 + 8 / group
+    assert 8 * p.nbytes / (p.n_pad * p.k_pad) == (4.3125 if p.format == WeightFormat.Q4 else 3.0625 + 8 / p.group)
     assert np.array_equal(packing.dequantize(p).numpy(), values)
     reference_of(p, values)
     ids = torch.tensor([0, 31, 32, 71])  # rows read back for embedding lookups (a tied weight)

@@ -39,7 +39,7 @@ def kernel(p: PackedWeight, int16: bool, compute: Compute = Compute.F32, int8: b
                                    "super_groups": ks.super_groups, "sc_signed": ks.sc.dtype == torch.int8}
     return native.load().PackedLinear(int(p.format), int(compute), p.n, p.k, p.group, p.q4_signed, p.data, p.scale,
                                       p.offset, None, int8_activations=int8, int16_activations=int16,
-                                      q4_values=list(p.q4_values or ()),
+                                      code_values=list(p.code_values or ()),
                                       **extra)
 
 

@@ -337,7 +337,7 @@ HAS_AVX2 = all(f in native._cpu_flags().split() for f in ("avx2", "fma", "f16c")
     not HAS_AVX2, reason="the AVX2 build needs a CPU with AVX2, FMA and F16C"))])
 def test_other_builds_give_the_same_guarantees(arch: str, tmp_path: os.PathLike[str]) -> None:
     """The kernels built without -march=native, as the portable loops (what a CPU without AVX2 runs) or the AVX2 + FMA
-    paths (what a CPU without AVX512-BF16 runs), pass the same reference and invariance checks, GGUF's block
+    paths (what a CPU without AVX512-BF16 runs), pass the same reference and invariance checks, GGUF's block and grid
     formats' bitwise references among them; the AVX2 build also its int16 activations' (on by default on such CPUs,
     test_int16_activations.py, which skips itself under an AVX512 build)."""
     if arch == "avx2" and native.load().native_avx2():
@@ -346,7 +346,8 @@ def test_other_builds_give_the_same_guarantees(arch: str, tmp_path: os.PathLike[
         pytest.skip("the native build is the AVX2 + FMA one on this CPU: the tests in this file check its paths")
     env = {**os.environ, "LMRPC_KERNEL_ARCH": arch}
     here = os.path.abspath(__file__)
-    files = [here, os.path.join(os.path.dirname(here), "test_gguf_formats.py")]
+    files = [here, *(os.path.join(os.path.dirname(here), name) for name in ("test_gguf_formats.py",
+                                                                          "test_gguf_grids.py"))]
     if arch == "avx2":
         files.append(os.path.join(os.path.dirname(here), "test_int16_activations.py"))
     expect = {"generic": "not k.native_bf16() and not k.native_avx2()", "avx2": "k.native_avx2()"}[arch]

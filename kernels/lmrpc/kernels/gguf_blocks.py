@@ -146,17 +146,15 @@ def _q4_group_tiles(qs: np.ndarray, n: int, signed: bool) -> torch.Tensor:
 
 
 def held_for(p: PackedWeight, bf16: bool) -> PackedWeight:
-    """The weight as products of this compute type take it. For float32 compute: a Q4 weight whose codes index a table
-    (IQ4, grid formats: packing.Q4_TABLES), whose kernels take codes as linear, as its table's int8 values in the Q8
-    layout (the same weight, twice the bytes); a Q3 or Q5 weight in Q6's layout (its float32 and int16 kernels).
-    Anything else, and everything for bfloat16 compute, as it is."""
+    """The weight as products of this compute type take it. For float32 compute: a Q4 or Q3 weight whose codes index
+    a table (IQ4, grid formats: packing.code_values), whose kernels take codes as linear, as its table's int8 values
+    in the Q8 layout (the same weight, more bytes); another Q3 or Q5 weight in Q6's layout (its float32 and int16
+    kernels). Anything else, and everything for bfloat16 compute, as it is."""
     if bf16:
         return p
-    if p.format in (WeightFormat.Q3, WeightFormat.Q5):
-        return packing.as_q6(p)
-    if p.q4_values is None:
-        return p
-    values = packing.table_values(packing.codes_of(p), p.q4_values)  # [n, k] int8
+    if p.code_values is None:
+        return packing.as_q6(p) if p.format in (WeightFormat.Q3, WeightFormat.Q5) else p
+    values = packing.values_of(p)  # [n, k] int8
     if p.kscales is not None:
         return packing.pack_k(WeightFormat.Q8, values, p.group, p.kscales, p.label)
     assert p.scale is not None

@@ -9,25 +9,26 @@ fp16 (d / 8 often would not be one); the power of two is KScales.d_scale, which 
 | ggml type | value (gguf's `dequantize`) | held as | d', sc | bits a weight (file) |
 | --- | --- | --- | --- | --- |
 | IQ2_XXS | d (0.5 + s) / 4 * grid * sign, grid: 8, 25, 43 | Q4, a table of 6 values | d / 8, 2s + 1 | 4.31 (2.06) |
-| IQ2_XS, IQ2_S | the same, sc per 16 weights | Q8 | d / 8, 2s + 1 | 8.56 (2.31-2.56) |
+| IQ2_XS, IQ2_S | the same, sc per 16 weights | Q3, a table of the 6 values | d / 8, 2s + 1 | 3.56 (2.31-2.56) |
 | IQ3_XXS | d (0.5 + s) / 2 * grid * sign, grid: 4, 12 .. 62 | Q4, a table of grid / 2 | d / 2, 2s + 1 | 4.31 (3.06) |
 | IQ3_S | d (1 + 2s) * grid * sign, grid: 1, 3, ..., 15 | Q4, a table of 16 values | d, 2s + 1 | 4.31 (3.44) |
 | IQ1_S | d (2s + 1) * (grid +- 1/8), grid: -1, 0, 1 | Q4, a table of 8 grid +- 1 | d / 8, 2s + 1 | 4.31 (1.56) |
-| IQ1_M | the same, sc per 16 weights | Q5 (signed) | d / 8, 2s + 1 | 5.56 (1.75) |
+| IQ1_M | the same, sc per 16 weights | Q3, a table of the 6 values | d / 8, 2s + 1 | 3.56 (1.75) |
 | TQ1_0, TQ2_0 | d * q, q: -1, 0, 1 (TQ2_0: also 2) | Q3 | d, 1 | 3.31 (1.69-2.06) |
 
 The formats with an sc per 32 weights take at most 16 distinct codes: held as 4-bit indices into a table of their
-values (packing.Q4_TABLES), which bfloat16 products look up as they do IQ4's (csrc's Q4Table); Q4's layout has no
-groups of 16, so IQ2_XS, IQ2_S and IQ1_M keep their codes themselves.
+values (packing.Q4_TABLES), which bfloat16 products look up as they do IQ4's (csrc's Q4Table). Q4's layout has no
+groups of 16; those with an sc per 16 weights (IQ2_XS, IQ2_S, IQ1_M) take 6 distinct codes, held as 3-bit indices
+into a table of them in Q3's layout, which has (packing.Q3_TABLES, looked up the same way).
 
 The codes are read from the blocks' bits by csrc/grid_codes.cpp, with the gguf package's own grid tables scaled to code
 units (no tables of ours): a few hundred byte operations a block, where gguf's float `dequantize` and a division took
 seconds per large tensor. Every value is code * d' * sc exactly (an fp16 times a power of two, a 5-bit integer and
 a grid value: exact in float32, as gguf computes it). A tensor is held this way only if its d are finite, its codes
-lie in the layout's range, and its first row gives gguf's `dequantize` of it to the bit (a guard against a block
-layout grid_codes does not read; the tests compare every row); else NotExact, and the loader serves it dense, as
-before. They take more bytes than the file (1.3-4x), a third to a half of bf16's: exact products from the kernels the
-other formats use.
+are in its table (or, TQ, in Q3's range), and its first row gives gguf's `dequantize` of it to the bit (a guard
+against a block layout grid_codes does not read; the tests compare every row); else NotExact, and the loader serves it
+dense, as before. They take more bytes than the file (1.25-2.8x), a quarter of bf16's: exact products from the
+kernels the other formats use.
 """
 
 from __future__ import annotations
@@ -45,9 +46,8 @@ from lmrpc.kernels.packing import PackedWeight, WeightFormat
 
 # ggml type ids
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, TQ1_0, TQ2_0 = 16, 17, 18, 19, 21, 22, 29, 34, 35
-# the codes each layout holds as themselves (Q5: signed, each code + 16 in 5 bits; Q4 holds indices into a table of
-# the codes instead: grid_q4_pairs counts the codes its table lacks)
-_RANGE = {WeightFormat.Q8: (-127, 127), WeightFormat.Q5: (-16, 15), WeightFormat.Q3: (-4, 3)}
+# the codes Q3 holds as themselves (TQ; the other grid formats are held as indices into a table of their values)
+_Q3_RANGE = (-4, 3)
 
 
 class NotExact(ValueError):
@@ -105,13 +105,13 @@ def _shifted(words: np.ndarray, shifts: tuple[int, ...], mask: int) -> np.ndarra
 GRIDS = {
     IQ2_XXS: Grid("iq2_xxs", 66, WeightFormat.Q4, 32, 3, 1,
                   lambda b: (_f16(b[..., 0:2]), _u32(b[..., 2:66]).reshape(*b.shape[:-1], 8, 2)[..., 1] >> 28)),
-    IQ2_XS: Grid("iq2_xs", 74, WeightFormat.Q8, 16, 3, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 66:74]))),
-    IQ2_S: Grid("iq2_s", 82, WeightFormat.Q8, 16, 3, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 74:82]))),
+    IQ2_XS: Grid("iq2_xs", 74, WeightFormat.Q3, 16, 3, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 66:74]))),
+    IQ2_S: Grid("iq2_s", 82, WeightFormat.Q3, 16, 3, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 74:82]))),
     IQ3_XXS: Grid("iq3_xxs", 98, WeightFormat.Q4, 32, 1, 0.5, lambda b: (_f16(b[..., 0:2]), _u32(b[..., 66:98]) >> 28)),
     IQ3_S: Grid("iq3_s", 110, WeightFormat.Q4, 32, 0, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 106:110]))),
     IQ1_S: Grid("iq1_s", 50, WeightFormat.Q4, 32, 3, 8,
                 lambda b: (_f16(b[..., 0:2]), (_u16(b[..., 34:50]) >> 12) & 7)),
-    IQ1_M: Grid("iq1_m", 56, WeightFormat.Q5, 16, 3, 8,
+    IQ1_M: Grid("iq1_m", 56, WeightFormat.Q3, 16, 3, 8,
                 lambda b: (_iq1_m_d(b), _shifted(_u16(b[..., 48:56]), (0, 3, 6, 9), 7))),
     # (no scale of their own: s = 0, so sc = 2s + 1 = 1)
     TQ1_0: Grid("tq1_0", 54, WeightFormat.Q3, 32, 0, 1,
@@ -148,19 +148,25 @@ def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
         _check_first_row(ggml_type, b, first_codes, d * np.float32(d_scale), sc)
         data = packing.q4_tiles(pairs.reshape(n, -1, 8, 2), signed=False)
         return packing.pack_k_tiled(WeightFormat.Q4, data, n, k, grid.group, ks, grid.label)
+    assert grid.held == WeightFormat.Q3
     codes = native.load().grid_codes(blocks, ggml_type, table, ksigns).reshape(n, k)  # int8 [n, k]
     _check_first_row(ggml_type, b, codes[:1], d * np.float32(d_scale), sc)
-    low, high = _RANGE[grid.held]
-    if int(codes.min()) < low or int(codes.max()) > high:
-        raise NotExact(f"{grid.label}: codes outside {grid.held.name}'s range")
-    return packing.pack_k(grid.held, codes, grid.group, ks, grid.label, signed=grid.held == WeightFormat.Q5)
+    if grid.label in packing.Q3_TABLES:  # 3-bit indices into the format's table of values, stored as index - 4
+        index = _lookup(grid.label).numpy()[codes.numpy().view(np.uint8)]  # [n, k] uint8 (numpy: no int64 copy)
+        if (index == 255).any():
+            raise NotExact(f"{grid.label}: codes outside its table")
+        codes = torch.from_numpy(index.view(np.int8) - np.int8(4))
+    elif int(codes.min()) < _Q3_RANGE[0] or int(codes.max()) > _Q3_RANGE[1]:
+        raise NotExact(f"{grid.label}: codes outside Q3's range")
+    return packing.pack_k(grid.held, codes, grid.group, ks, grid.label)
 
 
 @functools.cache
 def _lookup(label: str) -> torch.Tensor:
-    """A code's byte -> its first index in the format's table of 16 values (packing.Q4_TABLES), or 255."""
+    """A code's byte -> its first index in the format's table of values (packing.Q4_TABLES or Q3_TABLES), or 255."""
     lookup = torch.full((256,), 255, dtype=torch.uint8)
-    for i, v in reversed(list(enumerate(packing.Q4_TABLES[label]))):
+    values = packing.Q4_TABLES.get(label) or packing.Q3_TABLES[label]
+    for i, v in reversed(list(enumerate(values))):
         lookup[v & 255] = i
     return lookup
 

@@ -7,15 +7,16 @@ Quantized weights keep integer codes with float32 scales (and offsets) per group
 
 - Q4: 4-bit codes in groups of 32, value `(q - 8) * scale` (GGUF Q4_0, "signed"), `q * scale + offset` (Q4_1 and
   our own asymmetric int4) or `T[q] * scale` (GGUF IQ4_NL, IQ4_XS and grid formats: a table T of Q4_TABLES;
-  bfloat16 products only, see `q4_values`). A
+  bfloat16 products only, see `code_values`). A
   GGUF file's blocks are repacked code for code, never dequantized, so a model is served with exactly its own
   weights.
 - Q8: signed 8-bit codes, value `q * scale` (+ offset), in groups of 32 (GGUF Q8_0, and tabled Q4 weights' values for
   float32 compute) or one group per output row (our own int8 per-channel quantization).
 - Q6: Q8 whose codes lie in -32..31 held in 6 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q6_K), or
   of 16 or 32 for Q3 and Q5 weights with float32 compute, so a Q4_K_M file's 6-bit tensors take their own size.
-- Q3: Q8 whose codes lie in -4..3 held in 3 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q3_K, Q2_K);
-  bfloat16 products only (float32 compute holds them as Q6: gguf_blocks.held_for).
+- Q3: Q8 whose codes lie in -4..3 held in 3 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q3_K, Q2_K),
+  or indices into a table of 8 values (Q3_TABLES: grid formats with a scale per 16 weights); bfloat16 products only
+  (float32 compute holds them as Q6, or with a table as its values in Q8: gguf_blocks.held_for).
 - Q5: 5-bit codes as the file stores them (0..31; `q4_signed`: value q - 16) in the same kind of layout, in groups of
   32 (GGUF Q5_0, Q5_1, Q5_K); bfloat16 products only, as Q3.
 - GGUF K-quants (Q4_K and IQ4_XS as Q4; Q2_K and Q3_K as Q3; Q5_K as Q5; Q6_K as Q6) keep the file's scales as they are
@@ -49,6 +50,12 @@ Q4_TABLES: dict[str, tuple[int, ...]] = {
     "iq3_xxs": (-31, -26, -22, -18, -14, -10, -6, -2, 2, 6, 10, 14, 18, 22, 26, 31),  # grid 4, 12, ..., 62, halved
     "iq2_xxs": (-43, -25, -8, 8, 25, 43, *(0,) * 10),  # grid 8, 25, 43
     "iq1_s": (-9, -7, -1, 1, 7, 9, *(0,) * 10),  # 8 x (grid -1, 0, 1 + or - 1/8)
+}
+# The values Q3 codes index (stored as q + 4, 0..7), by label: the grid formats with a scale per 16 weights, whose six
+# values fit 3 bits (gguf_grids.py; unused entries 0). As Q4's, bfloat16 products only.
+Q3_TABLES: dict[str, tuple[int, ...]] = {
+    "iq2_xs": Q4_TABLES["iq2_xxs"][:8], "iq2_s": Q4_TABLES["iq2_xxs"][:8],  # grid 8, 25, 43
+    "iq1_m": Q4_TABLES["iq1_s"][:8],  # 8 x (grid -1, 0, 1 + or - 1/8)
 }
 
 
@@ -127,9 +134,15 @@ class PackedWeight:
         return round_up(self.k, self.group)
 
     @property
-    def q4_values(self) -> tuple[int, ...] | None:
-        """The 16 values Q4 codes index (Q4_TABLES: GGUF IQ4_NL, IQ4_XS and grid formats), or None: q or q - 8."""
-        return Q4_TABLES.get(self.label) if self.format == WeightFormat.Q4 else None
+    def code_values(self) -> tuple[int, ...] | None:
+        """The 16 values a code indexes, or None (codes stand for q, or q - 8): Q4 codes index Q4_TABLES' (GGUF IQ4_NL,
+        IQ4_XS and grid formats), Q3 codes as stored (q + 4) the first 8 of Q3_TABLES' twice (grid formats with a
+        scale per 16 weights), so that a 4-bit index picks the same value whatever its top bit (csrc's Q4Table)."""
+        if self.format == WeightFormat.Q4:
+            return Q4_TABLES.get(self.label)
+        if self.format == WeightFormat.Q3 and self.label in Q3_TABLES:
+            return Q3_TABLES[self.label] * 2
+        return None
 
     @property
     def label(self) -> str:
@@ -322,18 +335,29 @@ def pack_k_tiled(fmt: WeightFormat, data: torch.Tensor, n: int, k: int, group: i
 
 
 def table_values(codes: torch.Tensor, values: tuple[int, ...]) -> torch.Tensor:
-    """Codes (0..15, any integer or float dtype) -> the int8 values they index in `values` (Q4_TABLES)."""
+    """Table indices (0..15, any integer or float dtype) -> the int8 values they pick in `values` (code_values)."""
     return torch.tensor(values, dtype=torch.int8)[codes.long()]
+
+
+def _padded_values(p: PackedWeight) -> torch.Tensor:
+    """What each code stands for, [n_pad, k_pad]: through the weight's table (code_values), q - 8 (Q4_0), or itself."""
+    codes = _padded_codes(p)
+    if p.code_values is not None:
+        return table_values(codes + 4 if p.format == WeightFormat.Q3 else codes, p.code_values)
+    if p.format == WeightFormat.Q4 and p.q4_signed:
+        return codes.to(torch.int8) - 8
+    return codes
+
+
+def values_of(p: PackedWeight) -> torch.Tensor:
+    """The integer values [n, k] a quantized weight's codes stand for, before their scales (int8)."""
+    return _padded_values(p)[: p.n, : p.k].to(torch.int8)
 
 
 def dequantize(p: PackedWeight) -> torch.Tensor:
     """The float32 weight [n, k] a packed weight stands for (the reference the kernels are tested against):
     q * scale (+ offset), as gguf's dequantize computes it."""
-    codes = _padded_codes(p).float()  # [n_pad, k_pad]
-    if p.q4_values is not None:
-        codes = table_values(codes, p.q4_values).float()
-    elif p.format == WeightFormat.Q4 and p.q4_signed:
-        codes = codes - 8
+    codes = _padded_values(p).float()  # [n_pad, k_pad]
     if not p.quantized:
         return codes[: p.n, : p.k].contiguous()
     scale, offset = group_scales(p)

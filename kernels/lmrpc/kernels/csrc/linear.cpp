@@ -218,7 +218,8 @@ float weight_value(const PackedWeight& w, int64_t n, int64_t k) {
       } else if (w.format == WeightFormat::Q6) {
         q = q6_code(q6_group(w, vector), static_cast<int>(vector % 4), lane);
       } else if (w.format == WeightFormat::Q3) {
-        q = word_code<3>(word_group<3>(w, vector), static_cast<int>(vector % 16), lane) - 4;
+        const int stored = word_code<3>(word_group<3>(w, vector), static_cast<int>(vector % 16), lane);
+        q = w.code_table ? w.code_values[stored] : stored - 4;
       } else if (w.format == WeightFormat::Q5) {
         q = word_code<5>(word_group<5>(w, vector), static_cast<int>(vector % 16), lane) - (w.q4_signed ? 16 : 0);
       } else if (w.codes_in_vnni_order()) {  // (linear.h: PackedWeight::vnni)

@@ -17,7 +17,7 @@ inline int q4_value(uint8_t code, bool is_signed) { return is_signed ? static_ca
 
 // What a Q4 code of weight `w` stands for (times its group's scale, plus its offset).
 inline int q4_code_value(uint8_t code, const PackedWeight& w) {
-  return w.q4_table ? w.q4_values[code & 15] : q4_value(code, w.q4_signed);
+  return w.code_table ? w.code_values[code & 15] : q4_value(code, w.q4_signed);
 }
 
 // The code of byte b of Q8 vector i (0..3) of a Q6 unit (linear.h).
@@ -48,7 +48,7 @@ struct Q4Table {
       bf16[q] = f32_to_bf16(static_cast<float>(values != nullptr ? values[q & 15] : q4_value(q & 15, is_signed)));
     }
   }
-  explicit Q4Table(const PackedWeight& w) : Q4Table(w.q4_signed, w.q4_table ? w.q4_values : nullptr) {}
+  explicit Q4Table(const PackedWeight& w) : Q4Table(w.q4_signed, w.code_table ? w.code_values : nullptr) {}
 };
 
 constexpr int kPrefetchGroups = 4;  // Q4 groups read ahead (2 KiB): codes stream from memory as they are expanded

@@ -194,6 +194,9 @@ struct ExpandSource {
     } else if (w.format == WeightFormat::Q3) {
       alignas(64) int8_t codes[kMaxQ6Group * 32];
       decode_words<3>(word_group<3>(w, at.vectors(g)), at.gkp / 2, 4, codes);
+      if (w.code_table) {  // codes q that index values of their own (stored as q + 4)
+        for (int64_t i = 0; i < at.gkp * 64; ++i) codes[i] = w.code_values[codes[i] + 4];
+      }
       expand_q8<T>(codes, 2 * at.gkp, dst);
     } else if (w.format == WeightFormat::Q5) {
       alignas(64) int8_t codes[kMaxQ6Group * 32];

@@ -110,7 +110,7 @@ LMRPC_INLINE __m512i q8_vector_bf16(const int8_t* codes) {
 struct Q8Units {
   static constexpr int kPer = 1;
   static constexpr int64_t kBlockBytes = 128;
-  explicit Q8Units(const PackedWeight&) {}
+  Q8Units(const PackedWeight&, const Q4Table&) {}
   static const uint8_t* group(const PackedWeight& w, int64_t vector) {
     return static_cast<const uint8_t*>(w.data) + vector * 32;
   }
@@ -122,7 +122,7 @@ struct Q6Units {
   static constexpr int kPer = 1;
   static constexpr int64_t kBlockBytes = kQ6UnitBytes;
   __m512i lut_lo, lut_hi;
-  explicit Q6Units(const PackedWeight&)
+  Q6Units(const PackedWeight&, const Q4Table&)
       : lut_lo(_mm512_load_si512(q6_table().bf16)), lut_hi(_mm512_load_si512(q6_table().bf16 + 32)) {}
   static const uint8_t* group(const PackedWeight& w, int64_t vector) { return q6_group(w, vector); }
   LMRPC_INLINE void decode(const uint8_t* block, int, __m512i (&v)[4]) const {
@@ -135,8 +135,9 @@ struct WordUnits {
   static constexpr int kPer = 4;
   static constexpr int64_t kBlockBytes = 64 * kBits;
   __m512i lut;
-  explicit WordUnits(const PackedWeight& w)
-      : lut(_mm512_load_si512(kBits == 3 ? q3_table().bf16 : q5_table(w.q4_signed).bf16)) {}
+  // (a Q3 weight's codes may index values of their own: `table`, the call's Q4Table of the weight)
+  WordUnits(const PackedWeight& w, const Q4Table& table)
+      : lut(_mm512_load_si512(kBits == 5 ? q5_table(w.q4_signed).bf16 : w.code_table ? table.bf16 : q3_table().bf16)) {}
   static const uint8_t* group(const PackedWeight& w, int64_t vector) { return word_group<kBits>(w, vector); }
   LMRPC_INLINE void decode(const uint8_t* block, int w, __m512i (&v)[4]) const {  // (callers unroll over w)
     switch (w) {
@@ -161,10 +162,10 @@ using Q5Units = WordUnits<5>;
 // and 2u + 1, both tiles) made bf16 in registers and used by all R rows: the operations of block_bf16<R, 1, true>
 // over expanded codes, without a copy of 2 bytes a weight.
 template <int R, typename Units, bool KS>
-void block_codes_ks(const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb) {
+void block_codes_ks(const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb, const Q4Table& table) {
   const int64_t gkp = w.group / 2;
   const PairIndex at{&w, p, groups, gkp, w.k_pad / 2};
-  const Units units(w);
+  const Units units(w, table);
   rows_over_groups<R, KS>(w, p, groups, rb, [&](__m512 (&acc)[R][2], int64_t g) LMRPC_LAMBDA_INLINE {
     const uint8_t* first = Units::group(w, at.vectors(g));
     const int64_t group_bytes = gkp / 2 / Units::kPer * Units::kBlockBytes;
@@ -193,9 +194,9 @@ void block_codes_ks(const PackedWeight& w, int64_t p, int64_t groups, const RowB
 }
 
 template <int R, typename Units>
-void block_codes(const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb) {
-  if (w.k_scaled()) block_codes_ks<R, Units, true>(w, p, groups, rb);
-  else block_codes_ks<R, Units, false>(w, p, groups, rb);
+void block_codes(const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb, const Q4Table& table) {
+  if (w.k_scaled()) block_codes_ks<R, Units, true>(w, p, groups, rb, table);
+  else block_codes_ks<R, Units, false>(w, p, groups, rb, table);
 }
 
 // One unit (kpairs `at` and `at` + 1, both tiles) of each of P tile pairs, one row: decode(q, v) makes pair q's four
@@ -246,10 +247,11 @@ void one_row_q8_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const 
 // pieces are its units (kpairs 2u and 2u + 1 of both tiles), each decoded in registers (against a group decoded to
 // 8-bit codes, then to bf16 in a buffer).
 template <int P, typename Units>
-void one_row_units_bf16(const PackedWeight& w, int64_t p, const uint16_t* x, const float* sums, float* out) {
+void one_row_units_bf16(const PackedWeight& w, int64_t p, const Q4Table& table, const uint16_t* x, const float* sums,
+                        float* out) {
   const int64_t groups = w.k_pad / w.group, gkp = w.group / 2, kp = w.k_pad / 2;
   const int64_t blocks = gkp / 2 / Units::kPer, group_bytes = blocks * Units::kBlockBytes;
-  const Units decoder(w);
+  const Units decoder(w, table);
   const uint8_t* pairs[P];  // each pair's first group
   for (int q = 0; q < P; ++q) pairs[q] = Units::group(w, PairIndex{&w, p + q, groups, gkp, kp}.vectors(0));
   auto block = [&](__m512 (&acc)[2 * P], int64_t g, int64_t b) LMRPC_LAMBDA_INLINE {  // its units in order

@@ -139,26 +139,27 @@ void many_rows_codes(const PackedWeight& w, const Inputs& in, const LinearArgs& 
 // Q8, Q6, Q5 and Q3 weights without expanded codes, bf16 products, many rows: as many_rows_codes, each unit of four
 // kpair vectors made bf16 in registers once per block of rows (block_codes).
 template <typename Units>
-void codes_in_registers(int rows, const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb) {
+void codes_in_registers(int rows, const PackedWeight& w, int64_t p, int64_t groups, const RowBlock& rb,
+                        const Q4Table& table) {
   switch (rows) {
-    case 1: block_codes<1, Units>(w, p, groups, rb); break;
-    case 2: block_codes<2, Units>(w, p, groups, rb); break;
-    case 3: block_codes<3, Units>(w, p, groups, rb); break;
-    case 4: block_codes<4, Units>(w, p, groups, rb); break;
-    case 5: block_codes<5, Units>(w, p, groups, rb); break;
-    default: block_codes<6, Units>(w, p, groups, rb); break;
+    case 1: block_codes<1, Units>(w, p, groups, rb, table); break;
+    case 2: block_codes<2, Units>(w, p, groups, rb, table); break;
+    case 3: block_codes<3, Units>(w, p, groups, rb, table); break;
+    case 4: block_codes<4, Units>(w, p, groups, rb, table); break;
+    case 5: block_codes<5, Units>(w, p, groups, rb, table); break;
+    default: block_codes<6, Units>(w, p, groups, rb, table); break;
   }
 }
 
 void many_rows_codes_in_registers(const PackedWeight& w, const Inputs& in, const LinearArgs& a, RowRange rr,
-                                  int64_t p) {
+                                  int64_t p, const Q4Table& table) {
   const int64_t groups = w.k_pad / w.group;
   pair_in_row_blocks(w, in.bf16.data(), in, a, rr, p, [&](int rows, const RowBlock& rb) {
     switch (w.format) {
-      case WeightFormat::Q6: codes_in_registers<Q6Units>(rows, w, p, groups, rb); break;
-      case WeightFormat::Q3: codes_in_registers<Q3Units>(rows, w, p, groups, rb); break;
-      case WeightFormat::Q5: codes_in_registers<Q5Units>(rows, w, p, groups, rb); break;
-      default: codes_in_registers<Q8Units>(rows, w, p, groups, rb); break;
+      case WeightFormat::Q6: codes_in_registers<Q6Units>(rows, w, p, groups, rb, table); break;
+      case WeightFormat::Q3: codes_in_registers<Q3Units>(rows, w, p, groups, rb, table); break;
+      case WeightFormat::Q5: codes_in_registers<Q5Units>(rows, w, p, groups, rb, table); break;
+      default: codes_in_registers<Q8Units>(rows, w, p, groups, rb, table); break;
     }
   });
 }
@@ -241,7 +242,7 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
       } else if (w.codes != nullptr && rr.size() >= kCodesCopyRows) {
         for (int q = 0; q < P; ++q) many_rows_codes(w, in, a, rr, p + q);
       } else {  // Q8, Q6, Q5 or Q3 without a copy
-        for (int q = 0; q < P; ++q) many_rows_codes_in_registers(w, in, a, rr, p + q);
+        for (int q = 0; q < P; ++q) many_rows_codes_in_registers(w, in, a, rr, p + q, table);
       }
       return;
     }
@@ -251,9 +252,9 @@ void pair_products(const PackedWeight& w, const Inputs& in, const LinearArgs& a,
       const float* sums = w.has_offsets() ? in.sums.data() + rr.begin * groups : nullptr;
       switch (w.format) {
         case WeightFormat::Q4: one_row_q4_bf16<P>(w, p, table, x, sums, row); break;
-        case WeightFormat::Q6: one_row_units_bf16<P, Q6Units>(w, p, x, sums, row); break;
-        case WeightFormat::Q3: one_row_units_bf16<P, Q3Units>(w, p, x, sums, row); break;
-        case WeightFormat::Q5: one_row_units_bf16<P, Q5Units>(w, p, x, sums, row); break;
+        case WeightFormat::Q6: one_row_units_bf16<P, Q6Units>(w, p, table, x, sums, row); break;
+        case WeightFormat::Q3: one_row_units_bf16<P, Q3Units>(w, p, table, x, sums, row); break;
+        case WeightFormat::Q5: one_row_units_bf16<P, Q5Units>(w, p, table, x, sums, row); break;
         default: one_row_q8_bf16<P>(w, p, x, sums, row); break;
       }
       epilogue(w, a, rr.begin, 1, p, P, reinterpret_cast<const float (*)[32 * kMaxPairs]>(row));
@@ -377,7 +378,7 @@ void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
   // Weights whose codes index values of their own (IQ4, grid formats) get their table here, per call; other calls
   // (most, and every one of the usual formats' decode steps) build and allocate nothing.
   std::vector<Q4Table> own;
-  if (std::any_of(jobs, jobs + count, [](const LinearJob& job) { return job.w->q4_table; })) {
+  if (std::any_of(jobs, jobs + count, [](const LinearJob& job) { return job.w->code_table; })) {
     own.reserve(count);
     for (int64_t j = 0; j < count; ++j) own.emplace_back(*jobs[j].w);
   }
@@ -397,7 +398,7 @@ void products(const LinearJob* jobs, const Inputs* in, int64_t count) {
     const int64_t j = std::upper_bound(first, first + count + 1, b) - first - 1;
     const PackedWeight& w = *jobs[j].w;
     const JobItems& it = job_items_of[j];
-    const Q4Table& table = w.q4_table ? own[j] : linear[w.q4_signed ? 1 : 0];
+    const Q4Table& table = w.code_table ? own[j] : linear[w.q4_signed ? 1 : 0];
     const int64_t at = b - first[j], block = at / it.splits, chunk = at % it.splits;
     const RowRange rr{chunk * it.row_chunk, std::min<int64_t>(jobs[j].args.m, (chunk + 1) * it.row_chunk)};
     const int64_t job_pairs = w.n_pad / 32, p = block * kMaxPairs;

@@ -44,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("codes") = py::none(), py::arg("kd") = py::none(),
            py::arg("kdmin") = py::none(), py::arg("ksc") = py::none(), py::arg("km") = py::none(),
            py::arg("super_groups") = 1, py::arg("sc_signed") = false, py::arg("vnni_in_place") = false,
-           py::arg("q4_values") = std::vector<int64_t>{}, py::arg("d_scale") = 1.0)
+           py::arg("code_values") = std::vector<int64_t>{}, py::arg("d_scale") = 1.0)
       .def("forward", &PackedLinear::forward, py::arg("x"), py::arg("norm_weight") = py::none(),
            py::arg("eps") = 0.0, py::arg("silu") = false, py::arg("residual") = py::none(),
            py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>())

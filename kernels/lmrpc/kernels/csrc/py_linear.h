@@ -37,7 +37,7 @@ class PackedLinear {
                std::optional<at::Tensor> codes = std::nullopt, std::optional<at::Tensor> kd = std::nullopt,
                std::optional<at::Tensor> kdmin = std::nullopt, std::optional<at::Tensor> ksc = std::nullopt,
                std::optional<at::Tensor> km = std::nullopt, int64_t super_groups = 1, bool sc_signed = false,
-               bool vnni_in_place = false, std::vector<int64_t> q4_values = {}, double d_scale = 1.0)
+               bool vnni_in_place = false, std::vector<int64_t> code_values = {}, double d_scale = 1.0)
       : data_(data.contiguous()), scale_(scale), offset_(offset), bias_(bias), kd_(kd), kdmin_(kdmin), ksc_(ksc),
         km_(km), compute_(static_cast<lmrpc::Compute>(compute)) {
     const auto fmt = static_cast<lmrpc::WeightFormat>(format);
@@ -59,12 +59,16 @@ class PackedLinear {
                 "bfloat16 weights take bfloat16 products");
     TORCH_CHECK(fmt != lmrpc::WeightFormat::F32 || compute_ == lmrpc::Compute::F32,
                 "float32 weights take float32 products");
-    const bool tabled = !q4_values.empty();
-    TORCH_CHECK(!tabled || (fmt == lmrpc::WeightFormat::Q4 && compute_ == lmrpc::Compute::BF16),
-                "codes indexing a table are Q4 weights with bfloat16 products (float32 compute holds them as Q8)");
-    TORCH_CHECK(!tabled || (q4_values.size() == 16 &&
-                            std::all_of(q4_values.begin(), q4_values.end(), [](int64_t v) { return v >= -128 && v <= 127; })),
-                "q4_values: 16 int8 values");
+    const bool tabled = !code_values.empty();
+    TORCH_CHECK(!tabled || ((fmt == lmrpc::WeightFormat::Q4 || fmt == lmrpc::WeightFormat::Q3) &&
+                            compute_ == lmrpc::Compute::BF16),
+                "codes indexing a table are Q4 or Q3 weights with bfloat16 products (float32 compute holds them as Q8)");
+    TORCH_CHECK(!tabled || (code_values.size() == 16 &&
+                            std::all_of(code_values.begin(), code_values.end(), [](int64_t v) { return v >= -128 && v <= 127; })),
+                "code_values: 16 int8 values");
+    TORCH_CHECK(!tabled || fmt != lmrpc::WeightFormat::Q3 ||
+                    std::equal(code_values.begin(), code_values.begin() + 8, code_values.begin() + 8),
+                "a Q3 weight's code_values: its 8 values twice");
     TORCH_CHECK((fmt != lmrpc::WeightFormat::Q3 && fmt != lmrpc::WeightFormat::Q5) ||
                     compute_ == lmrpc::Compute::BF16,
                 "Q3 and Q5 weights take bfloat16 products (float32 compute holds them as Q6)");
@@ -124,8 +128,8 @@ class PackedLinear {
     // Int8 activations: bfloat16 compute on AVX512-VNNI, with the codes in their own layout: once more, or with
     // vnni_in_place (the caller hands the data over) rewritten in place, so that the weight is held once (its
     // products then never take float inputs: args()); float32 compute on AVX2, over the Q4 layout as it is.
-    w_.q4_table = tabled;
-    for (size_t i = 0; i < q4_values.size(); ++i) w_.q4_values[i] = static_cast<int8_t>(q4_values[i]);
+    w_.code_table = tabled;
+    for (size_t i = 0; i < code_values.size(); ++i) w_.code_values[i] = static_cast<int8_t>(code_values[i]);
     if (int8_activations && fmt == lmrpc::WeightFormat::Q4 && !tabled) {  // (codes through a table are not linear)
       if (compute_ == lmrpc::Compute::BF16 && lmrpc::native_vnni()) {
         uint8_t* vnni = static_cast<uint8_t*>(data_.data_ptr());

@@ -67,7 +67,7 @@ class NativeLinear:
             weight.scale, weight.offset, None if bias is None else bias.float().contiguous(),
             expand_codes=expand_codes, int8_activations=int8_activations,
             int16_activations=int16_activations, codes=codes, **_kscale_args(weight),
-            vnni_in_place=arena is not None, q4_values=list(weight.q4_values or ()),
+            vnni_in_place=arena is not None, code_values=list(weight.code_values or ()),
         )
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
