@@ -102,6 +102,18 @@ def test_the_decoder_refuses_arguments_it_cannot_read() -> None:
         ops.grid_codes(blocks, qtype, table[:100], ksigns)
     with pytest.raises(RuntimeError, match="lookup must be 256 contiguous uint8"):
         ops.grid_q4_pairs(blocks, qtype, table, ksigns, torch.zeros(16, dtype=torch.uint8))
+    lookup = gguf_grids._lookup("iq3_s")
+    with pytest.raises(RuntimeError, match="grid_indices: lookup must be 256 contiguous uint8"):
+        ops.grid_indices(blocks, qtype, table, ksigns, lookup[:16].contiguous(), 4)
+    with pytest.raises(RuntimeError, match=r"grid_indices: bias must be 0\.\.15"):
+        ops.grid_indices(blocks, qtype, table, ksigns, lookup, 16)
+    # the indices a byte each (less the bias) pick the codes back out of the table; a code it lacks is counted
+    codes = ops.grid_codes(blocks, qtype, table, ksigns)
+    index, missing = ops.grid_indices(blocks, qtype, table, ksigns, lookup, 4)
+    assert missing == 0 and torch.equal(packing.table_values(index + 4, packing.Q4_TABLES["iq3_s"]), codes)
+    lacking = lookup.clone()
+    lacking[int(codes[0, 0]) & 255] = 255
+    assert ops.grid_indices(blocks, qtype, table, ksigns, lacking, 4)[1] == int((codes == codes[0, 0]).sum())
 
 
 def test_without_the_native_decoder_a_grid_tensor_is_left_to_be_served_dense(monkeypatch: pytest.MonkeyPatch) -> None:

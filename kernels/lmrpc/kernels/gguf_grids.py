@@ -23,7 +23,8 @@ into a table of them in Q3's layout, which has (packing.Q3_TABLES, looked up the
 
 The codes are read from the blocks' bits by csrc/grid_codes.cpp, with the gguf package's own grid tables scaled to code
 units (no tables of ours): a few hundred byte operations a block, where gguf's float `dequantize` and a division took
-seconds per large tensor. Every value is code * d' * sc exactly (an fp16 times a power of two, a 5-bit integer and
+seconds per large tensor. Where codes are held as table indices, it writes those (grid_q4_pairs: as Q4's code pairs;
+grid_indices: a byte each, for Q3) and counts the codes the table lacks. Every value is code * d' * sc exactly (an fp16 times a power of two, a 5-bit integer and
 a grid value: exact in float32, as gguf computes it). A tensor is held this way only if its d are finite, its codes
 are in its table (or, TQ, in Q3's range), and its first row gives gguf's `dequantize` of it to the bit (a guard
 against a block layout grid_codes does not read; the tests compare every row); else NotExact, and the loader serves it
@@ -149,15 +150,18 @@ def pack(ggml_type: int, b: np.ndarray, n: int, k: int) -> PackedWeight:
         data = packing.q4_tiles(pairs.reshape(n, -1, 8, 2), signed=False)
         return packing.pack_k_tiled(WeightFormat.Q4, data, n, k, grid.group, ks, grid.label)
     assert grid.held == WeightFormat.Q3
-    codes = native.load().grid_codes(blocks, ggml_type, table, ksigns).reshape(n, k)  # int8 [n, k]
-    _check_first_row(ggml_type, b, codes[:1], d * np.float32(d_scale), sc)
-    if grid.label in packing.Q3_TABLES:  # 3-bit indices into the format's table of values, stored as index - 4
-        index = _lookup(grid.label).numpy()[codes.numpy().view(np.uint8)]  # [n, k] uint8 (numpy: no int64 copy)
-        if (index == 255).any():
+    values = packing.Q3_TABLES.get(grid.label)
+    if values is not None:  # 3-bit indices into the format's table of values (packing.Q3_TABLES), stored as q + 4
+        codes, missing = native.load().grid_indices(blocks, ggml_type, table, ksigns, _lookup(grid.label), 4)
+        if missing:
             raise NotExact(f"{grid.label}: codes outside its table")
-        codes = torch.from_numpy(index.view(np.int8) - np.int8(4))
-    elif int(codes.min()) < _Q3_RANGE[0] or int(codes.max()) > _Q3_RANGE[1]:
-        raise NotExact(f"{grid.label}: codes outside Q3's range")
+        codes = codes.reshape(n, k)  # int8 [n, k]: index - 4
+        first_codes = packing.table_values(codes[:1] + 4, values)
+    else:
+        codes = first_codes = native.load().grid_codes(blocks, ggml_type, table, ksigns).reshape(n, k)  # int8 [n, k]
+        if int(codes.min()) < _Q3_RANGE[0] or int(codes.max()) > _Q3_RANGE[1]:
+            raise NotExact(f"{grid.label}: codes outside Q3's range")
+    _check_first_row(ggml_type, b, first_codes[:1], d * np.float32(d_scale), sc)
     return packing.pack_k(grid.held, codes, grid.group, ks, grid.label)
 
 

@@ -114,6 +114,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("blocks"), py::arg("ggml_type"), py::arg("grid"), py::arg("ksigns"), py::arg("lookup"),
       "GGUF grid blocks [n, bytes] -> their codes' indices in a table of 16 (`lookup`: code byte -> index) as the "
       "Q4 layout's code pairs [n, 128], and how many codes the table lacks");
+  m.def(
+      "grid_indices",
+      [](const at::Tensor& blocks, int64_t ggml_type, const at::Tensor& grid, const at::Tensor& ksigns,
+         const at::Tensor& lookup, int64_t bias) {
+        check_grid_args(blocks, ggml_type, grid, ksigns);
+        TORCH_CHECK(lookup.dtype() == at::kByte && lookup.numel() == 256 && lookup.is_contiguous(),
+                    "grid_indices: lookup must be 256 contiguous uint8");
+        TORCH_CHECK(bias >= 0 && bias <= 15, "grid_indices: bias must be 0..15");
+        at::Tensor out = at::empty({blocks.size(0), 256}, at::kChar);
+        int64_t missing = 0;
+        {
+          py::gil_scoped_release release;
+          missing = lmrpc::grid_indices(blocks.data_ptr<uint8_t>(), blocks.size(0), ggml_type,
+                                        grid.data_ptr<int8_t>(), ksigns.data_ptr<uint8_t>(),
+                                        lookup.data_ptr<uint8_t>(), static_cast<int>(bias), out.data_ptr<int8_t>());
+        }
+        return std::make_tuple(out, missing);
+      },
+      py::arg("blocks"), py::arg("ggml_type"), py::arg("grid"), py::arg("ksigns"), py::arg("lookup"),
+      py::arg("bias"),
+      "GGUF grid blocks [n, bytes] -> their codes' indices in a table (`lookup`: code byte -> index) less `bias`, "
+      "int8 [n, 256], and how many codes the table lacks");
   m.def("attention_route", &attention_route, py::arg("t"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
         py::arg("bf16"), py::arg("threads"));
 }
