@@ -44,7 +44,8 @@ def test_the_loaded_weight_is_ggufs_dequantize_to_the_bit(fmt: str) -> None:
     assert p.label == fmt
     # indices into a table of the values (as IQ4's): 4-bit with a scale per 32 weights, 3-bit per 16; TQ: the codes
     assert (p.code_values is not None) == (fmt not in ("tq1_0", "tq2_0"))
-    assert p.format == (WeightFormat.Q4 if p.group == 32 and p.code_values is not None else WeightFormat.Q3)
+    # 16 values (IQ3) need 4 bits; 6 values (IQ2, IQ1) and TQ's codes fit 3
+    assert p.format == (WeightFormat.Q4 if fmt in ("iq3_xxs", "iq3_s") else WeightFormat.Q3)
     # bits a weight held (codes, d per 256, sc per group): Q4 4 + 1/16 + 1/4, Q3 3 + 1/16 + 8 / group
     assert 8 * p.nbytes / (p.n_pad * p.k_pad) == (4.3125 if p.format == WeightFormat.Q4 else 3.0625 + 8 / p.group)
     assert np.array_equal(packing.dequantize(p).numpy(), values)

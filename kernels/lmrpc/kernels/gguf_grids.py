@@ -8,28 +8,28 @@ fp16 (d / 8 often would not be one); the power of two is KScales.d_scale, which 
 
 | ggml type | value (gguf's `dequantize`) | held as | d', sc | bits a weight (file) |
 | --- | --- | --- | --- | --- |
-| IQ2_XXS | d (0.5 + s) / 4 * grid * sign, grid: 8, 25, 43 | Q4, a table of 6 values | d / 8, 2s + 1 | 4.31 (2.06) |
+| IQ2_XXS | d (0.5 + s) / 4 * grid * sign, grid: 8, 25, 43 | Q3, a table of the 6 values | d / 8, 2s + 1 | 3.31 (2.06) |
 | IQ2_XS, IQ2_S | the same, sc per 16 weights | Q3, a table of the 6 values | d / 8, 2s + 1 | 3.56 (2.31-2.56) |
 | IQ3_XXS | d (0.5 + s) / 2 * grid * sign, grid: 4, 12 .. 62 | Q4, a table of grid / 2 | d / 2, 2s + 1 | 4.31 (3.06) |
 | IQ3_S | d (1 + 2s) * grid * sign, grid: 1, 3, ..., 15 | Q4, a table of 16 values | d, 2s + 1 | 4.31 (3.44) |
-| IQ1_S | d (2s + 1) * (grid +- 1/8), grid: -1, 0, 1 | Q4, a table of 8 grid +- 1 | d / 8, 2s + 1 | 4.31 (1.56) |
+| IQ1_S | d (2s + 1) * (grid +- 1/8), grid: -1, 0, 1 | Q3, a table of 8 grid +- 1 | d / 8, 2s + 1 | 3.31 (1.56) |
 | IQ1_M | the same, sc per 16 weights | Q3, a table of the 6 values | d / 8, 2s + 1 | 3.56 (1.75) |
 | TQ1_0, TQ2_0 | d * q, q: -1, 0, 1 (TQ2_0: also 2) | Q3 | d, 1 | 3.31 (1.69-2.06) |
 
-The formats with an sc per 32 weights take at most 16 distinct codes: held as 4-bit indices into a table of their
-values (packing.Q4_TABLES), which bfloat16 products look up as they do IQ4's (csrc's Q4Table). Q4's layout has no
-groups of 16; those with an sc per 16 weights (IQ2_XS, IQ2_S, IQ1_M) take 6 distinct codes, held as 3-bit indices
-into a table of them in Q3's layout, which has (packing.Q3_TABLES, looked up the same way).
+The IQ2 and IQ1 formats take 6 distinct codes: held as 3-bit indices into a table of them in Q3's layout
+(packing.Q3_TABLES), which bfloat16 products look up as they do IQ4's (csrc's Q4Table). The IQ3 formats take 16:
+4-bit indices in Q4's (packing.Q4_TABLES). (A 1.7B-shaped IQ2_XXS file's one-stream decode step, engine alone:
+28 ms in 3 bits against 35-37 in 4; IQ2_XS's and IQ1_M's sc per 16 weights have no place in Q4's layout at all.)
 
 The codes are read from the blocks' bits by csrc/grid_codes.cpp, with the gguf package's own grid tables scaled to code
 units (no tables of ours): a few hundred byte operations a block, where gguf's float `dequantize` and a division took
 seconds per large tensor. Where codes are held as table indices, it writes those (grid_q4_pairs: as Q4's code pairs;
-grid_indices: a byte each, for Q3) and counts the codes the table lacks. Every value is code * d' * sc exactly (an fp16 times a power of two, a 5-bit integer and
-a grid value: exact in float32, as gguf computes it). A tensor is held this way only if its d are finite, its codes
-are in its table (or, TQ, in Q3's range), and its first row gives gguf's `dequantize` of it to the bit (a guard
-against a block layout grid_codes does not read; the tests compare every row); else NotExact, and the loader serves it
-dense, as before. They take more bytes than the file (1.25-2.8x), a quarter of bf16's: exact products from the
-kernels the other formats use.
+grid_indices: a byte each, for Q3) and counts the codes the table lacks. Every value is code * d' * sc exactly (an fp16
+times a power of two, a 5-bit integer and a grid value: exact in float32, as gguf computes it). A tensor is held this
+way only if its d are finite, its codes are in its table (or, TQ, in Q3's range), and its first row gives gguf's
+`dequantize` of it to the bit (a guard against a block layout grid_codes does not read; the tests compare every row);
+else NotExact, and the loader serves it dense, as before. They take more bytes than the file (1.25-2.1x), a fifth to a
+quarter of bf16's: exact products from the kernels the other formats use.
 """
 
 from __future__ import annotations
@@ -104,13 +104,13 @@ def _shifted(words: np.ndarray, shifts: tuple[int, ...], mask: int) -> np.ndarra
 
 
 GRIDS = {
-    IQ2_XXS: Grid("iq2_xxs", 66, WeightFormat.Q4, 32, 3, 1,
+    IQ2_XXS: Grid("iq2_xxs", 66, WeightFormat.Q3, 32, 3, 1,
                   lambda b: (_f16(b[..., 0:2]), _u32(b[..., 2:66]).reshape(*b.shape[:-1], 8, 2)[..., 1] >> 28)),
     IQ2_XS: Grid("iq2_xs", 74, WeightFormat.Q3, 16, 3, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 66:74]))),
     IQ2_S: Grid("iq2_s", 82, WeightFormat.Q3, 16, 3, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 74:82]))),
     IQ3_XXS: Grid("iq3_xxs", 98, WeightFormat.Q4, 32, 1, 0.5, lambda b: (_f16(b[..., 0:2]), _u32(b[..., 66:98]) >> 28)),
     IQ3_S: Grid("iq3_s", 110, WeightFormat.Q4, 32, 0, 1, lambda b: (_f16(b[..., 0:2]), _nibbles(b[..., 106:110]))),
-    IQ1_S: Grid("iq1_s", 50, WeightFormat.Q4, 32, 3, 8,
+    IQ1_S: Grid("iq1_s", 50, WeightFormat.Q3, 32, 3, 8,
                 lambda b: (_f16(b[..., 0:2]), (_u16(b[..., 34:50]) >> 12) & 7)),
     IQ1_M: Grid("iq1_m", 56, WeightFormat.Q3, 16, 3, 8,
                 lambda b: (_iq1_m_d(b), _shifted(_u16(b[..., 48:56]), (0, 3, 6, 9), 7))),

@@ -42,20 +42,19 @@ Q4_GROUP = 32
 # GGUF's IQ4_NL and IQ4_XS values (ggml's kvalues_iq4nl), indexed by their 4-bit codes
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The values Q4 codes index, by the label of a weight whose codes are not q or q - 8: IQ4's, and those of the GGUF
-# grid formats held in 4 bits (gguf_grids.py: each value a grid value times its sign; unused entries 0). bfloat16
-# products turn codes into values through the table (csrc's Q4Table); float32 compute holds the values as Q8.
+# grid formats held in 4 bits (gguf_grids.py: each value a grid value times its sign). bfloat16 products turn codes
+# into values through the table (csrc's Q4Table); float32 compute holds the values as Q8.
 Q4_TABLES: dict[str, tuple[int, ...]] = {
     "iq4_nl": IQ4_VALUES, "iq4_xs": IQ4_VALUES,
     "iq3_s": tuple(range(-15, 16, 2)),  # grid 1, 3, ..., 15
     "iq3_xxs": (-31, -26, -22, -18, -14, -10, -6, -2, 2, 6, 10, 14, 18, 22, 26, 31),  # grid 4, 12, ..., 62, halved
-    "iq2_xxs": (-43, -25, -8, 8, 25, 43, *(0,) * 10),  # grid 8, 25, 43
-    "iq1_s": (-9, -7, -1, 1, 7, 9, *(0,) * 10),  # 8 x (grid -1, 0, 1 + or - 1/8)
 }
-# The values Q3 codes index (stored as q + 4, 0..7), by label: the grid formats with a scale per 16 weights, whose six
-# values fit 3 bits (gguf_grids.py; unused entries 0). As Q4's, bfloat16 products only.
+# The values Q3 codes index (stored as q + 4, 0..7), by label: the grid formats with 6 values, which fit 3 bits
+# (gguf_grids.py; unused entries 0). As Q4's, bfloat16 products only.
+_IQ2_VALUES = (-43, -25, -8, 8, 25, 43, 0, 0)  # grid 8, 25, 43, signed
+_IQ1_VALUES = (-9, -7, -1, 1, 7, 9, 0, 0)  # 8 x (grid -1, 0, 1 + or - 1/8)
 Q3_TABLES: dict[str, tuple[int, ...]] = {
-    "iq2_xs": Q4_TABLES["iq2_xxs"][:8], "iq2_s": Q4_TABLES["iq2_xxs"][:8],  # grid 8, 25, 43
-    "iq1_m": Q4_TABLES["iq1_s"][:8],  # 8 x (grid -1, 0, 1 + or - 1/8)
+    "iq2_xxs": _IQ2_VALUES, "iq2_xs": _IQ2_VALUES, "iq2_s": _IQ2_VALUES, "iq1_s": _IQ1_VALUES, "iq1_m": _IQ1_VALUES,
 }
 
 
