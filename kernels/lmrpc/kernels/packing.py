@@ -15,7 +15,7 @@ Quantized weights keep integer codes with float32 scales (and offsets) per group
 - Q6: Q8 whose codes lie in -32..31 held in 6 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q6_K), or
   of 16 or 32 for Q3 and Q5 weights with float32 compute, so a Q4_K_M file's 6-bit tensors take their own size.
 - Q3: Q8 whose codes lie in -4..3 held in 3 bits a code (csrc/linear.h's layout), in groups of 16 (GGUF Q3_K, Q2_K),
-  or indices into a table of 8 values (Q3_TABLES: grid formats with a scale per 16 weights); bfloat16 products only
+  or indices into a table of 8 values (Q3_TABLES: the IQ2 and IQ1 grid formats); bfloat16 products only
   (float32 compute holds them as Q6, or with a table as its values in Q8: gguf_blocks.held_for).
 - Q5: 5-bit codes as the file stores them (0..31; `q4_signed`: value q - 16) in the same kind of layout, in groups of
   32 (GGUF Q5_0, Q5_1, Q5_K); bfloat16 products only, as Q3.
@@ -135,8 +135,8 @@ class PackedWeight:
     @property
     def code_values(self) -> tuple[int, ...] | None:
         """The 16 values a code indexes, or None (codes stand for q, or q - 8): Q4 codes index Q4_TABLES' (GGUF IQ4_NL,
-        IQ4_XS and grid formats), Q3 codes as stored (q + 4) the first 8 of Q3_TABLES' twice (grid formats with a
-        scale per 16 weights), so that a 4-bit index picks the same value whatever its top bit (csrc's Q4Table)."""
+        IQ4_XS and the IQ3 grid formats), Q3 codes as stored (q + 4) the first 8 of Q3_TABLES' twice (the IQ2 and IQ1
+        grid formats), so that a 4-bit index picks the same value whatever its top bit (csrc's Q4Table)."""
         if self.format == WeightFormat.Q4:
             return Q4_TABLES.get(self.label)
         if self.format == WeightFormat.Q3 and self.label in Q3_TABLES:

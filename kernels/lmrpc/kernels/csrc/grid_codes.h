@@ -24,8 +24,8 @@ void grid_codes(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_
 int64_t grid_q4_pairs(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_t* grid, const uint8_t* ksigns,
                       const uint8_t* lookup, uint8_t* out);
 
-// The same indices a byte each, less `bias`: out [n, 256] (the Q3 layout's codes, index - 4, for the formats with a
-// scale per 16 weights). Returns how many codes the table lacks.
+// The same indices a byte each, less `bias`: out [n, 256] (the Q3 layout's codes, index - 4, for the formats with 6
+// values: IQ2, IQ1). Returns how many codes the table lacks.
 int64_t grid_indices(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_t* grid, const uint8_t* ksigns,
                      const uint8_t* lookup, int bias, int8_t* out);
 

@@ -97,9 +97,9 @@ struct PackedWeight {
   // and weight_rows reads this order.
   const uint8_t* vnni = nullptr;
   // Codes that index a table of int8 values instead of standing for themselves: Q4 codes (GGUF's IQ4_NL and IQ4_XS,
-  // and the grid formats held in 4 bits: packing.Q4_TABLES) their 16 values, Q3 codes (grid formats with a scale per
-  // 16 weights: packing.Q3_TABLES) as stored (q + 4, 0..7) the first 8, repeated in the last 8 so that an index's
-  // fourth bit picks the same value. Only bfloat16 products take them (codes become values through Q4Table); float32
+  // and the IQ3 grid formats: packing.Q4_TABLES) their 16 values, Q3 codes (the IQ2 and IQ1 grid formats:
+  // packing.Q3_TABLES) as stored (q + 4, 0..7) the first 8, repeated in the last 8 so that an index's fourth bit
+  // picks the same value. Only bfloat16 products take them (codes become values through Q4Table); float32
   // compute holds such a weight as Q8 (packing.py).
   bool code_table = false;
   int8_t code_values[16] = {};

@@ -137,7 +137,9 @@ struct WordUnits {
   __m512i lut;
   // (a Q3 weight's codes may index values of their own: `table`, the call's Q4Table of the weight)
   WordUnits(const PackedWeight& w, const Q4Table& table)
-      : lut(_mm512_load_si512(kBits == 5 ? q5_table(w.q4_signed).bf16 : w.code_table ? table.bf16 : q3_table().bf16)) {}
+      : lut(_mm512_load_si512(kBits == 5        ? q5_table(w.q4_signed).bf16
+                              : w.code_table ? table.bf16
+                                             : q3_table().bf16)) {}
   static const uint8_t* group(const PackedWeight& w, int64_t vector) { return word_group<kBits>(w, vector); }
   LMRPC_INLINE void decode(const uint8_t* block, int w, __m512i (&v)[4]) const {  // (callers unroll over w)
     switch (w) {

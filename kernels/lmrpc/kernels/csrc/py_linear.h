@@ -62,7 +62,8 @@ class PackedLinear {
     const bool tabled = !code_values.empty();
     TORCH_CHECK(!tabled || ((fmt == lmrpc::WeightFormat::Q4 || fmt == lmrpc::WeightFormat::Q3) &&
                             compute_ == lmrpc::Compute::BF16),
-                "codes indexing a table are Q4 or Q3 weights with bfloat16 products (float32 compute holds them as Q8)");
+                "codes indexing a table are Q4 or Q3 weights with bfloat16 products "
+                "(float32 compute holds them as Q8)");
     TORCH_CHECK(!tabled || (code_values.size() == 16 &&
                             std::all_of(code_values.begin(), code_values.end(), [](int64_t v) { return v >= -128 && v <= 127; })),
                 "code_values: 16 int8 values");
