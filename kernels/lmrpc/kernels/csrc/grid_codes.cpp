@@ -182,15 +182,24 @@ void grid_codes(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_
 
 namespace {
 
-// A block's codes as their indices through `lookup` (index [256]); returns how many the table lacks (above 15).
-int64_t block_indices(const Format& f, const Tables& t, const uint8_t* block, const uint8_t* lookup,
-                      uint8_t (&index)[256]) {
-  int8_t codes[256];
-  f.decode(block, t, codes);
+// Each block's codes as their indices through `lookup` (index [256]), handed to write(i, index) for block i, blocks
+// in parallel; returns how many codes the table lacks (indices above 15).
+template <typename Write>
+int64_t each_block_indices(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_t* grid,
+                           const uint8_t* ksigns, const uint8_t* lookup, Write&& write) {
+  const Format f = format_of(ggml_type);
+  const Tables t{grid, ksigns};
   int64_t missing = 0;
-  for (int j = 0; j < 256; ++j) {
-    index[j] = lookup[static_cast<uint8_t>(codes[j])];
-    missing += index[j] > 15;
+#pragma omp parallel for schedule(static) reduction(+ : missing) if (n >= 1024)
+  for (int64_t i = 0; i < n; ++i) {
+    int8_t codes[256];
+    f.decode(blocks + i * f.bytes, t, codes);
+    uint8_t index[256];
+    for (int j = 0; j < 256; ++j) {
+      index[j] = lookup[static_cast<uint8_t>(codes[j])];
+      missing += index[j] > 15;
+    }
+    write(i, index);
   }
   return missing;
 }
@@ -199,27 +208,14 @@ int64_t block_indices(const Format& f, const Tables& t, const uint8_t* block, co
 
 int64_t grid_indices(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_t* grid, const uint8_t* ksigns,
                      const uint8_t* lookup, int bias, int8_t* out) {
-  const Format f = format_of(ggml_type);
-  const Tables t{grid, ksigns};
-  int64_t missing = 0;
-#pragma omp parallel for schedule(static) reduction(+ : missing) if (n >= 1024)
-  for (int64_t i = 0; i < n; ++i) {
-    uint8_t index[256];
-    missing += block_indices(f, t, blocks + i * f.bytes, lookup, index);
+  return each_block_indices(blocks, n, ggml_type, grid, ksigns, lookup, [&](int64_t i, const uint8_t (&index)[256]) {
     for (int j = 0; j < 256; ++j) out[i * 256 + j] = static_cast<int8_t>(index[j] - bias);
-  }
-  return missing;
+  });
 }
 
 int64_t grid_q4_pairs(const uint8_t* blocks, int64_t n, int64_t ggml_type, const int8_t* grid, const uint8_t* ksigns,
                       const uint8_t* lookup, uint8_t* out) {
-  const Format f = format_of(ggml_type);
-  const Tables t{grid, ksigns};
-  int64_t missing = 0;
-#pragma omp parallel for schedule(static) reduction(+ : missing) if (n >= 1024)
-  for (int64_t i = 0; i < n; ++i) {
-    uint8_t index[256];
-    missing += block_indices(f, t, blocks + i * f.bytes, lookup, index);
+  return each_block_indices(blocks, n, ggml_type, grid, ksigns, lookup, [&](int64_t i, const uint8_t (&index)[256]) {
     // per group of 32 (8 chunks of 4 codes), byte (c, e): code 4c + e in the low nibble, 4c + 2 + e in the high one
     uint8_t* o = out + i * 128;
     for (int g = 0; g < 8; ++g)
@@ -228,8 +224,7 @@ int64_t grid_q4_pairs(const uint8_t* blocks, int64_t n, int64_t ggml_type, const
           const uint8_t* q = index + 32 * g + 4 * c + e;
           o[16 * g + 2 * c + e] = static_cast<uint8_t>((q[0] & 15) | (q[2] << 4));
         }
-  }
-  return missing;
+  });
 }
 
 }  // namespace lmrpc
