@@ -14,7 +14,7 @@ using namespace lmrpc_py;  // NOLINT: the bindings name the classes and function
 
 namespace {
 
-// grid_codes' and grid_q4_pairs' shared arguments, checked before a kernel reads them.
+// The grid bindings' shared arguments, checked before a kernel reads them.
 void check_grid_args(const at::Tensor& blocks, int64_t ggml_type, const at::Tensor& grid, const at::Tensor& ksigns) {
   const int64_t bytes = lmrpc::grid_block_bytes(ggml_type);
   TORCH_CHECK(bytes > 0, "not a grid or ternary ggml type: ", ggml_type);
@@ -24,6 +24,12 @@ void check_grid_args(const at::Tensor& blocks, int64_t ggml_type, const at::Tens
               "the grid must be ", lmrpc::grid_size(ggml_type), " contiguous int8");
   TORCH_CHECK(ksigns.dtype() == at::kByte && ksigns.numel() == 128 && ksigns.is_contiguous(),
               "ksigns must be 128 contiguous uint8");
+}
+
+// grid_q4_pairs' and grid_indices' table lookup (a code's byte -> its index).
+void check_lookup(const at::Tensor& lookup, const char* op) {
+  TORCH_CHECK(lookup.dtype() == at::kByte && lookup.numel() == 256 && lookup.is_contiguous(), op,
+              ": lookup must be 256 contiguous uint8");
 }
 
 }  // namespace
@@ -99,8 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const at::Tensor& blocks, int64_t ggml_type, const at::Tensor& grid, const at::Tensor& ksigns,
          const at::Tensor& lookup) {
         check_grid_args(blocks, ggml_type, grid, ksigns);
-        TORCH_CHECK(lookup.dtype() == at::kByte && lookup.numel() == 256 && lookup.is_contiguous(),
-                    "grid_q4_pairs: lookup must be 256 contiguous uint8");
+        check_lookup(lookup, "grid_q4_pairs");
         at::Tensor out = at::empty({blocks.size(0), 128}, at::kByte);
         int64_t missing = 0;
         {
@@ -119,8 +124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const at::Tensor& blocks, int64_t ggml_type, const at::Tensor& grid, const at::Tensor& ksigns,
          const at::Tensor& lookup, int64_t bias) {
         check_grid_args(blocks, ggml_type, grid, ksigns);
-        TORCH_CHECK(lookup.dtype() == at::kByte && lookup.numel() == 256 && lookup.is_contiguous(),
-                    "grid_indices: lookup must be 256 contiguous uint8");
+        check_lookup(lookup, "grid_indices");
         TORCH_CHECK(bias >= 0 && bias <= 15, "grid_indices: bias must be 0..15");
         at::Tensor out = at::empty({blocks.size(0), 256}, at::kChar);
         int64_t missing = 0;
